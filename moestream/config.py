@@ -1,0 +1,223 @@
+"""Configuration: `ModelConfig.from_hf` (the one place HF config names are read) and `EngineConfig`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from HF's `rope_parameters` / `rope_scaling` + `rope_theta`.
+
+    `rope_type` is one of SUPPORTED_ROPE_TYPES; `params` keeps the remaining HF keys
+    (factor, original_max_position_embeddings, beta_fast, ...), as a sorted tuple of pairs.
+    """
+
+    rope_type: str
+    theta: float
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of an MoE decoder, with HF attribute names normalised.
+
+    All sizes are element counts. `moe_layers[i]` is True when layer i has a routed-expert
+    MoE block, False when it has a dense MLP of `intermediate_size`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    qk_norm: bool
+    attention_bias: bool
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    hidden_act: str
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @staticmethod
+    def from_hf(model_dir: str) -> "ModelConfig":
+        """Read `config.json` in `model_dir` and normalise it.
+
+        Raises:
+            ValueError: the directory or its config.json is missing or unreadable, the
+                `model_type` is not supported (the message lists the supported ones), or a
+                RoPE type is not supported.
+        """
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory '{model_dir}' does not exist; pass a local Hugging Face checkpoint directory")
+        if not os.path.isfile(path):
+            raise ValueError(f"'{model_dir}' has no config.json; is it a Hugging Face checkpoint directory?")
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+        return ModelConfig.from_dict(hf)
+
+    @staticmethod
+    def from_dict(hf: dict[str, Any]) -> "ModelConfig":
+        """Normalise an HF config dict (see `from_hf`)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        num_layers = int(hf["num_hidden_layers"])
+        head_dim = hf.get("head_dim") or hidden // heads
+        if model_type == "qwen3_moe":
+            num_experts = int(hf.get("num_experts") or hf.get("num_local_experts"))
+            step = int(hf.get("decoder_sparse_step", 1))
+            mlp_only = set(hf.get("mlp_only_layers") or [])
+            moe_layers = tuple(
+                (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+            )
+            moe_inter = int(hf["moe_intermediate_size"])
+            norm_topk = bool(hf.get("norm_topk_prob", False))
+            qk_norm = True
+            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        else:  # mixtral
+            num_experts = int(hf["num_local_experts"])
+            moe_layers = (True,) * num_layers
+            moe_inter = int(hf["intermediate_size"])
+            norm_topk = True
+            qk_norm = False
+            sliding = hf.get("sliding_window")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(hf["intermediate_size"]),
+            moe_intermediate_size=moe_inter,
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            norm_topk_prob=norm_topk,
+            moe_layers=moe_layers,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            qk_norm=qk_norm,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            sliding_window=int(sliding) if sliding else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            hidden_act=str(hf.get("hidden_act", "silu")),
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+    """Both HF layouts: v5 `rope_parameters` and v4 `rope_theta` + `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params.update(scaling)
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope type '{rope_type}' in config; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(rope_type=rope_type, theta=theta, params=tuple(sorted(params.items())))
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:
+    """Map a user dtype ("float32", "bfloat16", "float16" or "auto") to a torch dtype.
+
+    "auto" takes the checkpoint's `torch_dtype`, and float32 when it has none.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16, float16 or auto")
+        return dtype
+    if dtype == "auto":
+        return _DTYPES.get(str(config_dtype), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype '{dtype}'; use float32, bfloat16, float16 or auto")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings, named as vLLM names them.
+
+    Attributes:
+        model: checkpoint directory.
+        dtype: "auto", "float32", "bfloat16" or "float16".
+        device: torch device string, e.g. "cpu" or "cuda:0".
+        max_model_len: max tokens per sequence (prompt + output); None = the model's
+            max_position_embeddings.
+        max_num_seqs: max requests running in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        block_size: tokens per KV cache block.
+        kv_cache_memory_bytes: bytes for the KV cache; None = enough for max_num_seqs
+            sequences of max_model_len, capped at 4 GiB.
+        seed: seed of the sampler's generator for requests without their own seed.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")

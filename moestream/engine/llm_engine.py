@@ -1,0 +1,226 @@
+"""The engine: add_request / step / abort_request, over scheduler -> runner -> sampler ->
+detokenizer. Follows the shape of vLLM's LLMEngine and nano-vllm's llm_engine.py."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from moestream.config import EngineConfig, ModelConfig, resolve_dtype
+from moestream.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
+from moestream.engine.model_runner import ModelRunner
+from moestream.engine.request import Request, RequestStatus
+from moestream.engine.scheduler import Scheduler
+from moestream.layers.attention_backend import TorchAttentionBackend
+from moestream.loader import load_model, load_tokenizer
+from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moestream.sampler import Sampler, make_generator
+from moestream.sampling_params import Logprob, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | Sequence[int] | dict
+
+_DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Raises (constructor):
+        ValueError: a bad config, a missing/unreadable checkpoint or tokenizer, or a KV
+            budget too small for one max_model_len sequence.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = mcfg = ModelConfig.from_hf(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{mcfg.max_position_embeddings}; lower --max-model-len"
+            )
+        model, self.expert_store = load_model(mcfg, config.model, self.dtype, self.device, TorchAttentionBackend())
+        bs = config.block_size
+        block_bytes = kv_block_bytes(mcfg.num_layers, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        blocks_per_seq = (self.max_model_len + bs - 1) // bs
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(_DEFAULT_KV_CAP_BYTES, config.max_num_seqs * blocks_per_seq * block_bytes)
+        num_blocks = budget // block_bytes
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} gives {num_blocks} blocks of {block_bytes} bytes, but one "
+                f"sequence of max_model_len={self.max_model_len} needs {blocks_per_seq}; raise "
+                f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
+            )
+        kv_cache = KVCacheManager(num_blocks, bs)
+        self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device)
+        self.sampler = Sampler(config.seed, self.device)
+        eos = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "model %s (%s, %s): dense weights %.1f MiB, routed experts %.1f MiB; KV cache %d blocks x %d tokens "
+            "(%d bytes each, %.1f MiB); max_model_len %d",
+            config.model, mcfg.model_type, self.dtype, dense_bytes / 2**20, self.expert_store.nbytes() / 2**20,
+            num_blocks, bs, block_bytes, num_blocks * block_bytes / 2**20, self.max_model_len,
+        )
+
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        return self.scheduler.kv_cache
+
+    # ---- requests -------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A str is tokenized (with special tokens, as vLLM); {"prompt_token_ids": [...]} or a
+        list of ints is taken as is; {"prompt": str} is tokenized.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
+                leaves no room for output under max_model_len, or an unknown prompt type.
+        """
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(
+                f"a prompt must be a str, a list of token ids or a dict with 'prompt_token_ids'; got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}; it must be at "
+                f"most {self.max_model_len - 1} tokens to leave room for output"
+            )
+        return text, ids
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input, with
+        nothing queued and no request in flight affected."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in flight")
+        req = Request(request_id, text, ids, params, generator=make_generator(params.seed, self.device))
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once and free its blocks. Returns its final output, or None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        req.finished_time = time.monotonic()
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample and detokenize once. Returns the outputs of the
+        requests that produced a token or finished in this step (cumulative, as vLLM)."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+        if not samplers:
+            return []
+        result = self.sampler(
+            logits,
+            [r.sampling_params for r in samplers],
+            [r.prompt_token_ids for r in samplers],
+            [r.output_token_ids for r in samplers],
+            [r.generator for r in samplers],
+        )
+        now = time.monotonic()
+        outputs = []
+        for req, token, lps in zip(samplers, result.token_ids, result.logprobs):
+            self._append_token(req, token, lps, now)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, lps: list[tuple[int, float, int]] | None, now: float) -> None:
+        sp = req.sampling_params
+        req.token_ids.append(token)
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        if lps is not None:
+            entry = {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in reversed(lps)}
+            req.logprobs = (req.logprobs or []) + [entry]
+            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lps[0][1]
+        delta = req.detokenizer.add_token(token)
+        req.output_text += delta
+        status = None
+        if not sp.ignore_eos and token in self.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif token in sp.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif sp.stop and (hit := find_stop_string(req.output_text, len(delta), sp.stop, sp.include_stop_str_in_output)):
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[0]
+            req.output_text = req.output_text[: hit[1]]
+        elif sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        elif req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish_request(req, status)
+            req.finished_time = now
+            self.requests.pop(req.request_id, None)
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.status.is_finished
+        text = req.output_text
+        if not finished and req.sampling_params.stop:
+            # Hold back text that may be the start of a stop string (vLLM's stop_buffer_length).
+            hold = max(len(s) for s in req.sampling_params.stop) - 1
+            text = text[: max(len(text) - hold, 0)]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        metrics = RequestMetrics(
+            req.arrival_time, req.first_token_time, req.last_token_time, req.finished_time,
+            req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
+        )
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics)

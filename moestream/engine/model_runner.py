@@ -1,0 +1,71 @@
+"""Batch preparation and the forward pass: turns a SchedulerOutput into flat tensors,
+runs the model over the paged KV cache, and returns the logits of the requests that
+finished computing all their tokens this step (those sample a token)."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.engine.kv_cache import KVCacheManager
+from moestream.engine.request import Request
+from moestream.layers.attention_backend import AttentionMetadata
+from moestream.models.moe_decoder import MoEForCausalLM
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors: per layer (k, v), each
+    [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype."""
+
+    def __init__(self, model: MoEForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager) -> tuple[list[Request], torch.Tensor]:
+        """Run one step. Returns (requests that sample now, their logits [N, V] float32)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
+        for req, n in scheduled:
+            start = req.num_computed_tokens
+            input_ids.extend(req.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = kv_cache.block_table(req.request_id)
+            bs = self.block_size
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if start + n == req.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                samplers.append(req)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, H]
+        if not samplers:
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
+        return samplers, self.model.compute_logits(hidden[rows])  # [N, V]

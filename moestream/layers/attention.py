@@ -1,0 +1,63 @@
+"""GQA self-attention with optional q/k RMSNorm (Qwen3) over a paged KV cache.
+
+Follows transformers' Qwen3MoeAttention / MixtralAttention; the KV cache and the
+attention math live in the backend (`attention_backend.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
+from moestream.layers.norm import RMSNorm
+from moestream.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """forward(positions [T] int64, x [T, hidden], kv_cache (k, v) each [N, block, Hk, D], meta) -> [T, hidden]."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        qk_norm_eps: float | None,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = rotary
+        self.backend = backend
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))

@@ -1,0 +1,60 @@
+"""Sparse MoE block: router softmax -> top-k -> grouped expert SwiGLU -> weighted combine.
+
+Routing follows transformers' Qwen3MoeTopKRouter / MixtralTopKRouter (softmax in float32,
+top-k, optional renormalisation). Experts run grouped: the (token, k) pairs are sorted by
+expert id and only experts that received tokens run, each on its contiguous slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.experts.store import ExpertStore
+
+
+class SparseMoE(nn.Module):
+    """forward(x [T, H]) -> [T, H]. Routed weights come from `store.ensure(layer_idx, ids)`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        layer_idx: int,
+        store: ExpertStore,
+    ) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.layer_idx = layer_idx
+        self.store = store
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing: (weights [T, k] float32, expert ids [T, k] int64)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat_ids = ids.flatten()  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)  # [T*k], grouped by expert
+        token_of = order // self.top_k  # [T*k] token row of each sorted pair
+        pair_weight = weights.flatten()[order]  # [T*k]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        active = [e for e, c in enumerate(counts) if c]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        start = 0
+        for e, w in zip(active, self.store.ensure(self.layer_idx, active)):
+            end = start + counts[e]
+            rows = token_of[start:end]
+            gate, up = F.linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, w.down)  # [n, H]
+            out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
+            start = end
+        return out.to(x.dtype)

@@ -1,0 +1,109 @@
+"""Rotary position embedding (RoPE, Su et al. 2021) with the scaling types our configs use.
+
+Inverse-frequency formulas follow transformers' `modeling_rope_utils.py`:
+default, linear (position interpolation), yarn (Peng et al. 2023, arXiv 2309.00071)
+and llama3. Other types are refused by `ModelConfig.from_hf`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from moestream.config import RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim // 2] float32 and the cos/sin scale (yarn's attention factor).
+
+    Raises:
+        ValueError: an unsupported rope type, or a scaling type missing a required key.
+    """
+    base = rope.theta
+    exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim  # [dim/2]
+    inv_freq = 1.0 / (base**exps)
+    kind = rope.rope_type
+    try:
+        if kind == "default":
+            return inv_freq, 1.0
+        if kind == "linear":
+            return inv_freq / float(rope.get("factor")), 1.0
+        if kind == "llama3":
+            return _llama3(inv_freq, rope), 1.0
+        if kind == "yarn":
+            return _yarn(rope, rotary_dim, max_position_embeddings)
+    except TypeError as e:  # a required key was None
+        raise ValueError(f"rope_scaling of type '{kind}' is missing a required key: {dict(rope.params)}") from e
+    raise ValueError(f"unsupported rope type '{kind}'")
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    factor = float(rope.get("factor"))
+    low, high = float(rope.get("low_freq_factor")), float(rope.get("high_freq_factor"))
+    old_len = float(rope.get("original_max_position_embeddings"))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    base = rope.theta
+    orig = rope.get("original_max_position_embeddings")
+    factor = rope.get("factor") or max_pos / orig
+    factor = float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rope.get("attention_factor")
+    if attn is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)  # [dim/2]
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE (rotate-half layout, as HF Llama/Qwen/Mixtral) to q and k.
+
+    forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, device: torch.device) -> None:
+        super().__init__()
+        inv_freq, self.scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        # Computed on the CPU explicitly, so that building the model under a meta-device context works.
+        self.inv_freq = inv_freq.to(device)  # [D/2] float32
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,108 @@
+"""`LLM`: the offline API, mirroring vLLM's `LLM` so users can switch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from moestream.config import EngineConfig
+from moestream.engine.llm_engine import LLMEngine, PromptType
+from moestream.outputs import RequestOutput
+from moestream.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation over a continuous-batching engine.
+
+    Example:
+        llm = LLM(model="path/to/checkpoint", dtype="float32")
+        outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+        print(outs[0].outputs[0].text)
+
+    Arguments are EngineConfig's (see there for units and defaults).
+
+    Raises:
+        ValueError: bad arguments, a missing model directory, or an unreadable checkpoint.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        device: str = "cpu",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                seed=seed,
+            )
+        )
+
+    def get_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
+        return self.llm_engine.tokenizer
+
+    def _add(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        engine = self.llm_engine
+        for p in prompts:  # validate everything before queueing anything
+            engine.tokenize_prompt(p)
+        return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
+
+        A prompt is a str or {"prompt_token_ids": [...]}; `sampling_params` is one object for
+        all prompts or a list with one per prompt.
+
+        Raises:
+            ValueError: a bad prompt or parameter; nothing is queued then.
+        """
+        ids = self._add(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
+            for out in self._run():
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update()
+        return [final[i] for i in ids]
+
+    def generate_stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Like `generate`, but yields each request's cumulative output every time it grows."""
+        self._add(prompts, sampling_params)
+        yield from self._run()
+
+    def _run(self) -> Iterator[RequestOutput]:
+        engine = self.llm_engine
+        while engine.has_unfinished_requests():
+            yield from engine.step()

@@ -1,0 +1,147 @@
+"""Checkpoint loading: safetensors read in place (single file or sharded index), no
+conversion and no pickle. Dense weights become model parameters; routed experts go to
+an ExpertStore. Every error names the file and the tensor."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from moestream.config import ModelConfig
+from moestream.experts.store import ResidentExpertStore
+from moestream.layers.attention_backend import AttentionBackend
+from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointReader:
+    """Maps tensor names to the safetensors file holding them and reads them by name.
+
+    Raises:
+        ValueError: no safetensors files, an unreadable index, an unreadable or truncated
+            file, a missing tensor, or a tensor of the wrong shape. The message names the
+            file and the tensor.
+    """
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map: dict[str, str] = json.load(f)["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as e:
+                raise ValueError(f"cannot read shard index {index}: {e}") from e
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            weight_map = {}
+        if not files:
+            raise ValueError(f"no *.safetensors files in '{model_dir}'; moestream reads safetensors checkpoints only")
+        self._handles = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            try:
+                self._handles[name] = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # safetensors raises its own error types for bad headers
+                raise ValueError(f"cannot read safetensors file '{path}' (unreadable or truncated?): {e}") from e
+        if not weight_map:
+            for name, h in self._handles.items():
+                for key in h.keys():
+                    weight_map[key] = name
+        self.weight_map = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """Read tensor `name`, checking it has `shape`. Returns a CPU tensor in the file's dtype."""
+        if name not in self.weight_map:
+            raise ValueError(f"checkpoint '{self.model_dir}' has no tensor '{name}'")
+        fname = self.weight_map[name]
+        path = os.path.join(self.model_dir, fname)
+        handle = self._handles.get(fname)
+        if handle is None:
+            raise ValueError(f"tensor '{name}' is mapped to '{path}', which the index lists but is missing")
+        try:
+            got = list(handle.get_slice(name).get_shape())
+            if got != list(shape):
+                raise ValueError(f"tensor '{name}' in '{path}' has shape {got}, expected {list(shape)}")
+            return handle.get_tensor(name)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"cannot read tensor '{name}' from '{path}' (unreadable or truncated?): {e}") from e
+
+
+def load_model(
+    cfg: ModelConfig,
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> tuple[MoEForCausalLM, ResidentExpertStore]:
+    """Build the model for `cfg` and fill it from the checkpoint in `model_dir`.
+
+    Dense parameters are read straight into place (the model is built on the meta device,
+    so no memory is spent on initialisation); routed experts are stacked per layer into a
+    ResidentExpertStore. Shows a tqdm progress bar.
+
+    Raises:
+        ValueError: see CheckpointReader.
+    """
+    reader = CheckpointReader(model_dir)
+    store = ResidentExpertStore()
+    with torch.device("meta"):
+        model = get_model_class(cfg.model_type)(cfg, backend, store, device)
+    params = list(model.named_parameters())
+    moe_layer_ids = [i for i, m in enumerate(cfg.moe_layers) if m]
+    total = len(params) + 3 * cfg.num_experts * len(moe_layer_ids)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as bar:
+        for name, p in params:
+            hf = model.hf_name(name)
+            if hf == "lm_head.weight" and cfg.tie_word_embeddings and hf not in reader:
+                hf = "model.embed_tokens.weight"
+            tensor = reader.get(hf, p.shape).to(device=device, dtype=dtype)
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+            bar.update()
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        gate_name, up_name, down_name = model.expert_names
+        for layer in moe_layer_ids:
+            gate_up = torch.empty(cfg.num_experts, 2 * inter, hidden, dtype=dtype, device=device)  # [E, 2I, H]
+            down = torch.empty(cfg.num_experts, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
+            for e in range(cfg.num_experts):
+                gate_up[e, :inter] = reader.get(gate_name.format(l=layer, e=e), (inter, hidden))
+                gate_up[e, inter:] = reader.get(up_name.format(l=layer, e=e), (inter, hidden))
+                down[e] = reader.get(down_name.format(l=layer, e=e), (hidden, inter))
+                bar.update(3)
+            store.set_layer(layer, gate_up, down)
+    model.eval()
+    return model, store
+
+
+def load_tokenizer(model_dir: str):  # -> transformers.PreTrainedTokenizerBase
+    """AutoTokenizer from the checkpoint directory.
+
+    Raises:
+        ValueError: the directory has no usable tokenizer files.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:
+        raise ValueError(
+            f"cannot load a tokenizer from '{model_dir}': {e}. The checkpoint directory must hold the "
+            "tokenizer files (tokenizer.json and tokenizer_config.json)"
+        ) from e

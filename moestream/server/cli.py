@@ -1,0 +1,88 @@
+"""The `moestream` command line: `moestream generate ...` (and `serve` in a later issue)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from moestream import __version__
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype; auto = the checkpoint's torch_dtype (default: auto)")
+    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="max tokens per sequence, prompt + output (default: the model's max_position_embeddings)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="max requests in one step (default: 64)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="bytes for the KV cache (default: enough for max-num-seqs full-length sequences, at most 4 GiB)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description="Serve Mixture-of-Experts language models.")
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts and print them",
+                         description="Generate a completion for each prompt (batched together) and print it with tokens/s.")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: 0)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed: the same seed gives the same output (default: none)")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
+    add_engine_args(gen)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from moestream import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+        llm = LLM(**engine_kwargs(args))
+        start = time.perf_counter()
+        outputs = llm.generate(args.prompts, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    n = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for o in outputs:
+        print(f"--- prompt: {o.prompt!r}")
+        print(f"{o.prompt}{o.outputs[0].text}")
+        print(f"[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]")
+    print(f"--- {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

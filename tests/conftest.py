@@ -1,0 +1,73 @@
+"""Session fixtures: tiny random checkpoints (fixed seed) and cached HF float32 references."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiny_checkpoint import make_tiny_checkpoint
+
+# Mixtral's fixture sets a sliding window shorter than prompt + output, so the window matters.
+MIXTRAL_SLIDING_WINDOW = 24
+PROMPT_LENGTHS = (1, 3, 7, 12, 18, 25, 33, 40)
+NUM_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3_moe")), "qwen3_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(
+        str(tmp_path_factory.mktemp("mixtral")), "mixtral", seed=1, sliding_window=MIXTRAL_SLIDING_WINDOW
+    )
+
+
+@pytest.fixture(scope="session", params=["qwen3_moe", "mixtral"])
+def model_dir(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+def parity_prompts(vocab_limit: int = 30000, seed: int = 1234) -> list[list[int]]:
+    """8 prompts of token ids with lengths 1..40."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_limit) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+class HFReference:
+    """HF transformers float32 greedy results, one prompt at a time, cached per prompt."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self._cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+
+    def generate(self, prompt: list[int], max_new_tokens: int = NUM_NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
+        """(greedy token ids, raw logits [n, V] float32 at each generated position)."""
+        key = tuple(prompt)
+        if key not in self._cache:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=0,
+                )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            self._cache[key] = (tokens, torch.stack([x[0] for x in out.logits]).float())
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference(model_dir: str) -> HFReference:
+    return HFReference(model_dir)
