@@ -138,6 +138,13 @@ def load_tokenizer(model_dir: str):  # -> transformers.PreTrainedTokenizerBase
     """
     from transformers import AutoTokenizer
 
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in vocab_files):
+        # transformers would build an empty tokenizer from the config's model_type instead of failing.
+        raise ValueError(
+            f"'{model_dir}' has no tokenizer: none of {', '.join(vocab_files)} is there. Copy the model's "
+            "tokenizer files (tokenizer.json and tokenizer_config.json) into the checkpoint directory"
+        )
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as e:
