@@ -182,7 +182,9 @@ class LLMEngine:
         req.last_token_time = now
         if lps is not None:
             entry = {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in reversed(lps)}
-            req.logprobs = (req.logprobs or []) + [entry]
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(entry)
             req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lps[0][1]
         delta = req.detokenizer.add_token(token)
         req.output_text += delta
