@@ -200,6 +200,7 @@ class EngineConfig:
         kv_cache_memory_bytes: bytes for the KV cache; None = enough for max_num_seqs
             sequences of max_model_len, capped at 4 GiB.
         seed: seed of the sampler's generator for requests without their own seed.
+        max_logprobs: the most logprobs a request may ask for per token (vLLM's default, 20).
     """
 
     model: str
@@ -211,13 +212,32 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a checkpoint directory path, got {self.model!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer of at least 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and (
+            not _is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
+        ):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.dtype, (str, torch.dtype)):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {self.device!r}") from e
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device '{self.device}' was asked for, but this torch build sees no CUDA device; use device='cpu'")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -55,18 +55,30 @@ class LLM:
     def get_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         return self.llm_engine.tokenizer
 
-    def _add(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+    def _add(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[str]:
+        """Validate every prompt and params, then queue them all; nothing is queued on error."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and not isinstance(prompts[0], (str, dict, list, tuple))
+        ):
+            prompts = [prompts]  # one prompt: a str, a dict or a list of token ids
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r:.80}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
+        else:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         engine = self.llm_engine
-        for p in prompts:  # validate everything before queueing anything
+        for p, sp in zip(prompts, params):
+            engine.check_params(sp)
             engine.tokenize_prompt(p)
         return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
 
@@ -78,8 +90,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
-        A prompt is a str or {"prompt_token_ids": [...]}; `sampling_params` is one object for
-        all prompts or a list with one per prompt.
+        A prompt is a str, a list of token ids, or {"prompt_token_ids": [...]};
+        `sampling_params` is one object for all prompts or a list with one per prompt.
 
         Raises:
             ValueError: a bad prompt or parameter; nothing is queued then.
@@ -87,7 +99,7 @@ class LLM:
         ids = self._add(prompts, sampling_params)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
-            for out in self._run():
+            for out in self._run(ids):
                 if out.finished:
                     final[out.request_id] = out
                     bar.update()
@@ -98,11 +110,24 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Like `generate`, but yields each request's cumulative output every time it grows."""
-        self._add(prompts, sampling_params)
-        yield from self._run()
+        """Like `generate`, but yields each request's cumulative output every time it grows.
+        Closing the iterator early aborts its unfinished requests and frees their blocks."""
+        yield from self._run(self._add(prompts, sampling_params))
 
-    def _run(self) -> Iterator[RequestOutput]:
+    def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
+        """Step until the requests `ids` finish, yielding their outputs; on exit (done, closed
+        or interrupted), abort those of them still in flight."""
         engine = self.llm_engine
-        while engine.has_unfinished_requests():
-            yield from engine.step()
+        mine = set(ids)
+        pending = set(ids)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.request_id in mine:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+                pending.intersection_update(engine.requests)  # requests aborted elsewhere end too
+        finally:
+            for rid in pending:
+                engine.abort_request(rid)

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moestream.config import ModelConfig
 from moestream.experts.store import ResidentExpertStore
@@ -130,14 +131,12 @@ def load_model(
     return model, store
 
 
-def load_tokenizer(model_dir: str):  # -> transformers.PreTrainedTokenizerBase
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """AutoTokenizer from the checkpoint directory.
 
     Raises:
         ValueError: the directory has no usable tokenizer files.
     """
-    from transformers import AutoTokenizer
-
     vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in vocab_files):
         # transformers would build an empty tokenizer from the config's model_type instead of failing.

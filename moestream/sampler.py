@@ -20,10 +20,13 @@ class SamplerOutput:
         [(token_id, logprob, rank), ...]: the sampled token first, then the top-N tokens
         (rank 1..N). Logprobs are natural logs of the raw distribution (after
         logits_processors, before penalties/temperature); ranks are 1-based.
+    errors: per row, the exception a logits processor raised, else None. A failed row's
+        token is drawn from its unprocessed logits and must not be used.
     """
 
     token_ids: list[int]
     logprobs: list[list[tuple[int, float, int]] | None]
+    errors: list[Exception | None]
 
 
 def make_generator(seed: int | None, device: torch.device = torch.device("cpu")) -> torch.Generator | None:
@@ -127,9 +130,17 @@ class Sampler:
         B, V = logits.shape
         dev = logits.device
         logits = logits.to(torch.float32).clone()  # [B, V]
+        errors: list[Exception | None] = [None] * B
         for i, sp in enumerate(params):
-            for proc in sp.logits_processors or []:
-                logits[i] = proc(list(output_token_ids[i]), logits[i])
+            row = logits[i]
+            try:
+                for proc in sp.logits_processors or []:
+                    row = proc(list(output_token_ids[i]), row)
+                    if not isinstance(row, torch.Tensor) or row.shape != (V,):
+                        raise TypeError(f"a logits processor must return a tensor of shape ({V},), got {row!r:.80}")
+                logits[i] = row
+            except Exception as e:  # a user callback: isolate its failure to its own request
+                errors[i] = e
 
         want_logprobs = any(sp.logprobs is not None for sp in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None  # [B, V]
@@ -176,4 +187,4 @@ class Sampler:
             top = row.topk(min(sp.logprobs, V))
             entries += [(t, lp, r + 1) for r, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()))]
             out_logprobs.append(entries)
-        return SamplerOutput(token_ids=ids, logprobs=out_logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=out_logprobs, errors=errors)

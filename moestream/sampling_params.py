@@ -1,5 +1,7 @@
 """Per-request sampling parameters, named and defaulted as in vLLM (vllm/sampling_params.py)."""
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,9 +62,20 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) for t in self.stop_token_ids):
+            self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        else:
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        if self.logits_processors is not None and not (
+            isinstance(self.logits_processors, (list, tuple)) and all(callable(f) for f in self.logits_processors)
+        ):
+            raise ValueError(f"logits_processors must be a list of callables, got {self.logits_processors!r}")
         self._validate()
 
     def _validate(self) -> None:
@@ -70,23 +83,34 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            check(_is_number(getattr(self, name)), name, "a finite number")
         check(self.temperature >= 0.0, "temperature", "non-negative (>= 0)")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
-        check(isinstance(self.top_k, int) and (self.top_k in (-1, 0) or self.top_k >= 1),
+        check(_is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
               "top_k", "-1 or 0 (disabled) or at least 1")
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "None or at least 1")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "greater than 0")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-              "logprobs", "None or at least 0")
-        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-              "seed", "None or an int")
+        check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", "None or an int of at least 0")
+        check(self.seed is None or _is_int(self.seed), "seed", "None or an int")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 
     @property
     def greedy(self) -> bool:
         """True when the temperature is (near) zero, so sampling is argmax, as vLLM (< 1e-5)."""
         return self.temperature < SAMPLING_EPS
+
+
+def _is_int(x: object) -> bool:
+    """An int that is not a bool (numpy integers count)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    """A finite real number that is not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from tiny_checkpoint import make_tiny_checkpoint
 
 # Mixtral's fixture sets a sliding window shorter than prompt + output, so the window matters.

@@ -5,11 +5,11 @@ arrivals, a KV pool small enough to force preemption, and chunked prefill."""
 from __future__ import annotations
 
 import torch
-
 from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
+from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
+
 from moestream import LLM, ModelConfig
 from moestream.engine.kv_cache import kv_block_bytes
-from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
 
 
 def _check_all(prompts, results, hf_reference: HFReference, label: str) -> ParityReport:

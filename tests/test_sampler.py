@@ -2,8 +2,15 @@ import math
 
 import torch
 
-from moestream.sampler import (Sampler, SamplerOutput, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
-                               make_generator)
+from moestream.sampler import (
+    Sampler,
+    SamplerOutput,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+)
 from moestream.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")

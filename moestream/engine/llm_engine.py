@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 
@@ -27,6 +28,11 @@ logger = logging.getLogger(__name__)
 PromptType = str | Sequence[int] | dict
 
 _DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+def _is_int(x: object) -> bool:
+    """An int that is not a bool (numpy integers count)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class LLMEngine:
@@ -98,21 +104,27 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
+            text, ids = None, prompt
         else:
             raise ValueError(
-                f"a prompt must be a str, a list of token ids or a dict with 'prompt_token_ids'; got {type(prompt).__name__}"
+                "a prompt must be a str, a list of token ids, or a dict with 'prompt' (str) or "
+                f"'prompt_token_ids' (list of ints); got {type(prompt).__name__}"
             )
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        ids = [int(t) for t in ids]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}; it must be at "
@@ -124,17 +136,38 @@ class LLMEngine:
         """Validate and queue a request; returns its id. Raises ValueError on bad input, with
         nothing queued and no request in flight affected."""
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self.check_params(params)
         text, ids = self.tokenize_prompt(prompt)
-        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
         if request_id in self.requests:
-            raise ValueError(f"request id '{request_id}' is already in flight")
+            raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
         req = Request(request_id, text, ids, params, generator=make_generator(params.seed, self.device))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Checks of SamplingParams against this engine's limits.
+
+        Raises:
+            ValueError: not a SamplingParams, more logprobs than max_logprobs, or a stop
+                token id outside the vocabulary.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} is more than max_logprobs={self.config.max_logprobs}; ask for fewer "
+                "or raise max_logprobs"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks. Returns its final output, or None if unknown."""
@@ -157,21 +190,28 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-        if not samplers:
-            return []
         result = self.sampler(
             logits,
             [r.sampling_params for r in samplers],
             [r.prompt_token_ids for r in samplers],
             [r.output_token_ids for r in samplers],
             [r.generator for r in samplers],
-        )
+        ) if samplers else None
+        # Only now, with nothing left that can fail, does the step's progress count.
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+        if result is None:
+            return []
         now = time.monotonic()
         outputs = []
-        for req, token, lps in zip(samplers, result.token_ids, result.logprobs):
-            self._append_token(req, token, lps, now)
+        for req, token, lps, err in zip(samplers, result.token_ids, result.logprobs, result.errors):
+            if err is not None:
+                logger.error("request %s aborted: its logits processor raised %r", req.request_id, err)
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                req.finished_time = now
+            else:
+                self._append_token(req, token, lps, now)
             outputs.append(self._output(req))
         return outputs
 
@@ -186,19 +226,23 @@ class LLMEngine:
                 req.logprobs = []
             req.logprobs.append(entry)
             req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lps[0][1]
-        delta = req.detokenizer.add_token(token)
-        req.output_text += delta
         status = None
         if not sp.ignore_eos and token in self.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif token in sp.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif sp.stop and (hit := find_stop_string(req.output_text, len(delta), sp.stop, sp.include_stop_str_in_output)):
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[0]
-            req.output_text = req.output_text[: hit[1]]
-        elif sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
-            status = RequestStatus.FINISHED_LENGTH
-        elif req.num_tokens >= self.max_model_len:
+        if status is None or sp.include_stop_str_in_output:
+            # A stop token's text is left out unless include_stop_str_in_output (as vLLM v1).
+            delta = req.detokenizer.add_token(token)
+            req.output_text += delta
+            if status is None and sp.stop:
+                hit = find_stop_string(req.output_text, len(delta), sp.stop, sp.include_stop_str_in_output)
+                if hit is not None:
+                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[0]
+                    req.output_text = req.output_text[: hit[1]]
+        if status is None and (
+            (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len
+        ):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish_request(req, status)

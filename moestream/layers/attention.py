@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
+from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import RotaryEmbedding
 
@@ -31,10 +32,10 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.experts.store import ExpertStore
+from moestream.layers.linear import Linear
 
 
 class SparseMoE(nn.Module):
@@ -27,7 +28,7 @@ class SparseMoE(nn.Module):
         store: ExpertStore,
     ) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
         self.store = store

@@ -13,6 +13,7 @@ from moestream.config import ModelConfig
 from moestream.experts.store import ExpertStore
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
+from moestream.layers.linear import Embedding, Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.moe import SparseMoE
 from moestream.layers.norm import RMSNorm
@@ -58,7 +59,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, store: ExpertStore, device: torch.device) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend, store) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -80,7 +81,7 @@ class MoEForCausalLM(nn.Module):
             raise ValueError(f"unsupported hidden_act '{cfg.hidden_act}'; only silu is supported")
         self.config = cfg
         self.model = DecoderModel(cfg, backend, store, device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def hf_name(self, name: str) -> str:
         """Checkpoint tensor name of our parameter `name`."""
