@@ -201,6 +201,14 @@ class EngineConfig:
             sequences of max_model_len, capped at 4 GiB.
         seed: seed of the sampler's generator for requests without their own seed.
         max_logprobs: the most logprobs a request may ask for per token (vLLM's default, 20).
+        expert_budget: device memory for routed experts: a fraction in (0, 1] of all their
+            bytes, or an int number of bytes; None = all resident.
+        expert_host_cache_bytes: bytes of host memory caching experts between disk and device.
+        expert_policy: eviction policy of the device slots: "lru", "lfu" or "activation".
+        expert_prefetch: "gate" (next layer's router on this layer's input), "history"
+            (co-activation statistics) or "none". Only used when experts are paged.
+        expert_pin_profile: JSON file {"layer": [expert ids]} of experts kept resident.
+        record_routing: file to write the routing trace (request, token, layer, experts) to.
     """
 
     model: str
@@ -213,6 +221,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     max_logprobs: int = 20
+    expert_budget: float | int | None = None
+    expert_host_cache_bytes: int = 0
+    expert_policy: str = "lru"
+    expert_prefetch: str = "gate"
+    expert_pin_profile: str | None = None
+    record_routing: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):

@@ -37,6 +37,12 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         seed: int = 0,
+        expert_budget: float | int | None = None,
+        expert_host_cache_bytes: int = 0,
+        expert_policy: str = "lru",
+        expert_prefetch: str = "gate",
+        expert_pin_profile: str | None = None,
+        record_routing: str | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -49,8 +55,19 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 seed=seed,
+                expert_budget=expert_budget,
+                expert_host_cache_bytes=expert_host_cache_bytes,
+                expert_policy=expert_policy,
+                expert_prefetch=expert_prefetch,
+                expert_pin_profile=expert_pin_profile,
+                record_routing=record_routing,
             )
         )
+
+    def expert_stats(self) -> dict:
+        """Expert-cache metrics: hit_rate, hits, misses, stall_seconds, bytes_read (bytes),
+        per layer and per tier (see moestream.experts.metrics.ExpertStats)."""
+        return self.llm_engine.expert_stats()
 
     def get_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         return self.llm_engine.tokenizer

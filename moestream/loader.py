@@ -1,6 +1,7 @@
 """Checkpoint loading: safetensors read in place (single file or sharded index), no
-conversion and no pickle. Dense weights become model parameters; routed experts go to
-an ExpertStore. Every error names the file and the tensor."""
+conversion and no pickle. Dense weights become model parameters; routed experts are
+either stacked into a ResidentExpertStore or located by byte offset for paging. Every
+error names the file and the tensor."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moestream.config import ModelConfig
-from moestream.experts.store import ResidentExpertStore
+from moestream.experts.interface import ExpertStore
+from moestream.experts.resident import ResidentExpertStore
+from moestream.experts.tiers import TensorLocation, read_safetensors_header
 from moestream.layers.attention_backend import AttentionBackend
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.registry import get_model_class
@@ -54,6 +57,7 @@ class CheckpointReader:
             try:
                 self._handles[name] = safe_open(path, framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types for bad headers
+                read_safetensors_header(path)  # names the tensor that runs past the end, if one does
                 raise ValueError(f"cannot read safetensors file '{path}' (unreadable or truncated?): {e}") from e
         if not weight_map:
             for name, h in self._handles.items():
@@ -84,51 +88,86 @@ class CheckpointReader:
             raise ValueError(f"cannot read tensor '{name}' from '{path}' (unreadable or truncated?): {e}") from e
 
 
-def load_model(
-    cfg: ModelConfig,
-    model_dir: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    backend: AttentionBackend,
-) -> tuple[MoEForCausalLM, ResidentExpertStore]:
-    """Build the model for `cfg` and fill it from the checkpoint in `model_dir`.
+def build_model(
+    cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
+    backend: AttentionBackend, store: ExpertStore,
+) -> MoEForCausalLM:
+    """Build the model for `cfg` and fill its dense parameters from the checkpoint.
 
-    Dense parameters are read straight into place (the model is built on the meta device,
-    so no memory is spent on initialisation); routed experts are stacked per layer into a
-    ResidentExpertStore. Shows a tqdm progress bar.
+    The model is built on the meta device, so no memory is spent on initialisation; each
+    parameter is then read straight into place. Routed experts are not touched: they are
+    the `store`'s (see `load_resident_experts` and `expert_locations`).
 
     Raises:
         ValueError: see CheckpointReader.
     """
-    reader = CheckpointReader(model_dir)
-    store = ResidentExpertStore()
     with torch.device("meta"):
         model = get_model_class(cfg.model_type)(cfg, backend, store, device)
     params = list(model.named_parameters())
-    moe_layer_ids = [i for i, m in enumerate(cfg.moe_layers) if m]
-    total = len(params) + 3 * cfg.num_experts * len(moe_layer_ids)
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as bar:
-        for name, p in params:
-            hf = model.hf_name(name)
-            if hf == "lm_head.weight" and cfg.tie_word_embeddings and hf not in reader:
-                hf = "model.embed_tokens.weight"
-            tensor = reader.get(hf, p.shape).to(device=device, dtype=dtype)
-            module_name, _, leaf = name.rpartition(".")
-            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-            bar.update()
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        gate_name, up_name, down_name = model.expert_names
-        for layer in moe_layer_ids:
+    for name, p in tqdm(params, desc="Loading dense weights", unit="tensor", disable=None):
+        hf = model.hf_name(name)
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings and hf not in reader:
+            hf = "model.embed_tokens.weight"
+        tensor = reader.get(hf, p.shape).to(device=device, dtype=dtype)
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    model.eval()
+    return model
+
+
+def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    gate, up, down = get_model_class(cfg.model_type).expert_names
+    return gate.format(l=layer, e=expert), up.format(l=layer, e=expert), down.format(l=layer, e=expert)
+
+
+def load_resident_experts(
+    cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
+) -> None:
+    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I])."""
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    with tqdm(total=len(moe_layers) * cfg.num_experts, desc="Loading experts", unit="expert", disable=None) as bar:
+        for layer in moe_layers:
             gate_up = torch.empty(cfg.num_experts, 2 * inter, hidden, dtype=dtype, device=device)  # [E, 2I, H]
             down = torch.empty(cfg.num_experts, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
             for e in range(cfg.num_experts):
-                gate_up[e, :inter] = reader.get(gate_name.format(l=layer, e=e), (inter, hidden))
-                gate_up[e, inter:] = reader.get(up_name.format(l=layer, e=e), (inter, hidden))
-                down[e] = reader.get(down_name.format(l=layer, e=e), (hidden, inter))
-                bar.update(3)
+                gate_name, up_name, down_name = _expert_names(cfg, layer, e)
+                gate_up[e, :inter] = reader.get(gate_name, (inter, hidden))
+                gate_up[e, inter:] = reader.get(up_name, (inter, hidden))
+                down[e] = reader.get(down_name, (hidden, inter))
+                bar.update()
             store.set_layer(layer, gate_up, down)
-    model.eval()
-    return model, store
+
+
+def expert_locations(
+    cfg: ModelConfig, reader: CheckpointReader
+) -> dict[tuple[int, int], tuple[TensorLocation, TensorLocation, TensorLocation]]:
+    """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
+
+    Raises:
+        ValueError: a missing expert tensor, a wrong shape, or a corrupt file (names the
+            file and the tensor).
+    """
+    headers: dict[str, dict[str, TensorLocation]] = {}
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    out = {}
+    for layer in (i for i, m in enumerate(cfg.moe_layers) if m):
+        for e in range(cfg.num_experts):
+            locs = []
+            for name, shape in zip(_expert_names(cfg, layer, e), ((inter, hidden), (inter, hidden), (hidden, inter))):
+                if name not in reader:
+                    raise ValueError(f"checkpoint '{reader.model_dir}' has no tensor '{name}'")
+                path = os.path.join(reader.model_dir, reader.weight_map[name])
+                if path not in headers:
+                    headers[path] = read_safetensors_header(path)
+                loc = headers[path].get(name)
+                if loc is None:
+                    raise ValueError(f"tensor '{name}' is mapped to '{path}' but that file does not hold it")
+                if loc.shape != shape:
+                    raise ValueError(f"tensor '{name}' in '{path}' has shape {list(loc.shape)}, expected {list(shape)}")
+                locs.append(loc)
+            out[(layer, e)] = tuple(locs)
+    return out
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:

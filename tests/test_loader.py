@@ -114,7 +114,7 @@ def test_garbage_file_names_it(qwen3_moe_dir: str, tmp_path) -> None:
     d = copy_ckpt(qwen3_moe_dir, str(tmp_path / "m"))
     with open(os.path.join(d, "model.safetensors"), "wb") as f:
         f.write(b"not a safetensors file")
-    with pytest.raises(ValueError, match=r"cannot read safetensors file '.*model.safetensors'"):
+    with pytest.raises(ValueError, match=r"cannot read the safetensors header of '.*model.safetensors'"):
         LLM(d)
 
 

@@ -4,7 +4,7 @@ equals a naive per-token loop."""
 import torch
 import torch.nn.functional as F
 
-from moestream.experts.store import ResidentExpertStore
+from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.moe import SparseMoE
 
 

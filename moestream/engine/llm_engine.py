@@ -17,8 +17,20 @@ from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
+from moestream.experts.planner import plan_experts
+from moestream.experts.policy import make_policy
+from moestream.experts.resident import ResidentExpertStore
+from moestream.experts.store import PagedExpertStore, load_pin_profile
+from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import TorchAttentionBackend
-from moestream.loader import load_model, load_tokenizer
+from moestream.loader import (
+    CheckpointReader,
+    build_model,
+    expert_locations,
+    load_resident_experts,
+    load_tokenizer,
+)
+from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import Logprob, SamplingParams
@@ -55,7 +67,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}; lower --max-model-len"
             )
-        model, self.expert_store = load_model(mcfg, config.model, self.dtype, self.device, TorchAttentionBackend())
+        model = self._load(mcfg)
         bs = config.block_size
         block_bytes = kv_block_bytes(mcfg.num_layers, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         blocks_per_seq = (self.max_model_len + bs - 1) // bs
@@ -80,12 +92,59 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        plan = self.expert_plan
         logger.info(
-            "model %s (%s, %s): dense weights %.1f MiB, routed experts %.1f MiB; KV cache %d blocks x %d tokens "
-            "(%d bytes each, %.1f MiB); max_model_len %d",
-            config.model, mcfg.model_type, self.dtype, dense_bytes / 2**20, self.expert_store.nbytes() / 2**20,
+            "model %s (%s, %s): dense weights %.1f MiB resident; routed experts %.1f MiB in all, %s; "
+            "KV cache %d blocks x %d tokens (%d bytes each, %.1f MiB); max_model_len %d",
+            config.model, mcfg.model_type, self.dtype, dense_bytes / 2**20, plan.total_bytes / 2**20,
+            "all resident" if plan.resident else (
+                f"{plan.num_slots} device slots of {plan.expert_bytes} bytes ({plan.num_slots * plan.expert_bytes / 2**20:.1f} "
+                f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
+                f"prefetch {config.expert_prefetch}"),
             num_blocks, bs, block_bytes, num_blocks * block_bytes / 2**20, self.max_model_len,
         )
+
+    def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:
+        """Plan expert residency, build the expert store, and load the model."""
+        config = self.config
+        reader = CheckpointReader(config.model)
+        self.recorder = RoutingRecorder() if config.record_routing else None
+        pinned = load_pin_profile(config.expert_pin_profile, mcfg) if config.expert_pin_profile else []
+        moe_layers = [i for i, m in enumerate(mcfg.moe_layers) if m]
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.expert_plan = plan = plan_experts(
+            config.expert_budget,
+            len(moe_layers) * mcfg.num_experts,
+            3 * mcfg.moe_intermediate_size * mcfg.hidden_size * elem,
+            mcfg.num_experts_per_tok,
+            len(pinned),
+            config.expert_host_cache_bytes,
+        )
+        store: ResidentExpertStore | PagedExpertStore
+        if plan.resident:
+            store = ResidentExpertStore(self.recorder)
+        else:
+            store = PagedExpertStore(
+                expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
+                mcfg.moe_intermediate_size, mcfg.hidden_size, self.dtype, self.device, plan.num_slots,
+                plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.expert_prefetch,
+                mcfg.num_experts_per_tok, self.recorder,
+            )
+        model = build_model(mcfg, reader, self.dtype, self.device, TorchAttentionBackend(), store)
+        if plan.resident:
+            load_resident_experts(mcfg, reader, self.dtype, self.device, store)
+        self.expert_store = store
+        return model
+
+    def save_routing_trace(self) -> None:
+        """Write the routing recorded so far to `record_routing` (no-op when not recording)."""
+        if self.recorder is not None and self.config.record_routing:
+            self.recorder.save(self.config.record_routing)
+
+    def expert_stats(self) -> dict:
+        """Expert-cache metrics (see ExpertStats.as_dict): hit_rate, hits, misses, stall_seconds,
+        bytes_read, per-layer and per-tier figures."""
+        return self.expert_store.stats()
 
     @property
     def kv_cache(self) -> KVCacheManager:
@@ -189,6 +248,11 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        if self.recorder is not None:
+            self.recorder.begin_step(
+                [r.request_id for r, n in sched.scheduled for _ in range(n)],
+                [p for r, n in sched.scheduled for p in range(r.num_computed_tokens, r.num_computed_tokens + n)],
+            )
         samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
         result = self.sampler(
             logits,

@@ -1,56 +1,294 @@
-"""The narrow interface through which model code reaches routed-expert weights.
+"""PagedExpertStore: routed experts paged between a device slot pool, an optional host
+cache and the checkpoint on disk (FluxMoE-style decoupled residency; MoE-Infinity-style
+activation-aware caching and prefetch).
 
-Model code calls only `store.ensure(layer, expert_ids)`. This issue provides the
-fully resident store; the paging store (device slots <- host <- disk) implements
-the same method.
+Each slot holds one expert's gate_up [2I, H] and down [H, I]; the pool is allocated once.
+`ensure(layer, ids)` makes the ids resident (a miss is a synchronous, timed load: a stall)
+and returns views of their slots. Eviction follows a pluggable policy and never touches
+an expert of the current `ensure` call, a pinned expert, or one being loaded.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
 
 import torch
 
+from moestream.config import ModelConfig
+from moestream.experts.interface import ExpertWeights
+from moestream.experts.metrics import ExpertStats
+from moestream.experts.policy import EvictionPolicy
+from moestream.experts.prefetch import (
+    HistoryPredictor,
+    PrefetchQueue,
+    start_prefetch_worker,
+)
+from moestream.experts.tiers import DiskTier, ExpertKey, HostCache, TensorLocation
+from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 
-class ExpertWeights(NamedTuple):
-    """One routed expert's weights on the compute device.
+logger = logging.getLogger(__name__)
 
-    gate_up: [2 * I, H] (gate rows first, then up rows); down: [H, I].
-    """
-
-    gate_up: torch.Tensor
-    down: torch.Tensor
+PREFETCH_MODES = ("none", "gate", "history")
 
 
-class ExpertStore(Protocol):
-    """ensure(layer, expert_ids) -> one ExpertWeights per id, in the same order, all on device
-    and valid until the next `ensure` call for any layer."""
+class PagedExpertStore:
+    """Device slots <- host cache <- disk, for all MoE layers of one model.
 
-    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]: ...
-
-
-class ResidentExpertStore:
-    """Every routed expert resident on the device: per MoE layer, stacked
-    gate_up [E, 2I, H] and down [E, H, I]. `ensure` returns views and copies nothing.
+    Args:
+        locations: (layer, expert) -> (gate, up, down) tensor locations in the checkpoint.
+        num_layers: decoder layers (stats are indexed by decoder layer).
+        moe_layers: decoder indices of MoE layers, ascending.
+        num_experts, inter, hidden: expert count and shapes (I, H).
+        dtype, device: compute dtype and device of the slots.
+        num_slots: device slots (>= top_k + len(pinned)).
+        host_cache_experts: experts the host cache may hold (0 = none).
+        policy: eviction policy.
+        pinned: experts loaded at start and never evicted.
+        prefetch: "none", "gate" (router lookahead) or "history" (co-activation).
+        top_k: router top-k (sizes history predictions).
+        recorder: optional routing recorder.
 
     Raises:
-        KeyError: from `ensure`, for a layer that has no experts set.
+        ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode.
     """
 
-    def __init__(self) -> None:
-        self._gate_up: dict[int, torch.Tensor] = {}
-        self._down: dict[int, torch.Tensor] = {}
+    def __init__(
+        self,
+        locations: dict[ExpertKey, tuple[TensorLocation, TensorLocation, TensorLocation]],
+        num_layers: int,
+        moe_layers: list[int],
+        num_experts: int,
+        inter: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int,
+        host_cache_experts: int,
+        policy: EvictionPolicy,
+        pinned: Sequence[ExpertKey] = (),
+        prefetch: str = "none",
+        top_k: int = 1,
+        recorder: RoutingRecorder | None = None,
+    ) -> None:
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
+        pinned = list(dict.fromkeys(pinned))
+        if num_slots < top_k + len(pinned):
+            raise ValueError(f"{num_slots} expert slots cannot hold top_k={top_k} experts besides {len(pinned)} pinned ones")
+        self.moe_layers = moe_layers
+        self.num_slots = num_slots
+        self.policy = policy
+        self.pinned = frozenset(pinned)
+        self.recorder = recorder
+        self.metrics = ExpertStats(num_layers)
+        self.gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)  # [S, 2I, H]
+        self.down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)  # [S, H, I]
+        self.expert_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        self._disk = DiskTier(locations)
+        self._prefetch_disk = DiskTier(locations)
+        self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda")
+        self._slot_of: dict[ExpertKey, int] = {}
+        self._key_of: list[ExpertKey | None] = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._loading: set[ExpertKey] = set()
+        self._in_use: frozenset[ExpertKey] = frozenset()
+        self._unused_prefetched: set[ExpertKey] = set()
+        self._queue = PrefetchQueue()
+        self.prefetch_mode = prefetch
+        self.lookahead = prefetch == "gate"
+        self._history = HistoryPredictor(moe_layers, num_experts, width=2 * top_k) if prefetch == "history" else None
+        for key in pinned:
+            self._load_into(self._claim_slot(key[0]), key)
+        self._thread = start_prefetch_worker(self, self._queue) if prefetch != "none" else None
 
-    def set_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Install layer `layer`'s experts: gate_up [E, 2I, H], down [E, H, I]."""
-        self._gate_up[layer] = gate_up
-        self._down[layer] = down
+    # ---- the interface used by SparseMoE --------------------------------------------
+
+    def max_experts_per_call(self) -> int:
+        return self.num_slots - len(self.pinned)
+
+    def on_route(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        ids = topk_ids.flatten()
+        mass = torch.zeros(int(ids.max()) + 1, dtype=torch.float32).index_add_(0, ids.cpu(), topk_weights.flatten().float().cpu())
+        experts = torch.nonzero(mass).flatten().tolist()
+        with self._queue.lock:
+            self.policy.on_route(layer, experts, [mass[e].item() for e in experts])
+        if self.recorder is not None:
+            self.recorder.record_layer(layer, topk_ids)
+        if self._history is not None:
+            self._history.observe(layer, topk_ids)
+            pred = self._history.predict(layer, topk_ids)
+            if pred is not None:
+                self.prefetch(*pred)
+
+    def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
+        if self._thread is None:
+            return
+        with self._queue.lock:
+            self._queue.put([(layer, e) for e in expert_ids if (layer, e) not in self._slot_of])
 
     def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
-        gu, dn = self._gate_up[layer], self._down[layer]
-        return [ExpertWeights(gu[e], dn[e]) for e in expert_ids]
+        """Make `expert_ids` of `layer` resident and return their slot views, in order.
+
+        Raises:
+            ValueError: more ids than `max_experts_per_call()`.
+        """
+        if len(expert_ids) > self.max_experts_per_call():
+            raise ValueError(f"ensure() got {len(expert_ids)} experts; at most {self.max_experts_per_call()} fit")
+        keys = [(layer, e) for e in expert_ids]
+        out = []
+        with self._queue.lock:
+            self._queue.drop_layer(layer)
+            self._in_use = frozenset(keys)
+            for key in keys:
+                self.policy.on_access(key)
+            for key in keys:
+                slot = self._slot_of.get(key)
+                if slot is None and key in self._loading:
+                    start = time.perf_counter()
+                    while key in self._loading:
+                        self._queue.cond.wait()
+                    self.metrics.stall_seconds += time.perf_counter() - start
+                    slot = self._slot_of.get(key)
+                if slot is not None:
+                    self.metrics.hits[layer] += 1
+                    if key in self._unused_prefetched:
+                        self._unused_prefetched.discard(key)
+                        self.metrics.prefetch_hits += 1
+                else:
+                    self.metrics.misses[layer] += 1
+                    start = time.perf_counter()
+                    slot = self._claim_slot_waiting(layer)
+                    self._load_into(slot, key)
+                    self.metrics.stall_seconds += time.perf_counter() - start
+                out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
+        return out
+
+    # ---- slots -----------------------------------------------------------------------
+
+    def _claim_slot(self, layer: int) -> int:
+        """A free slot, or one freed by evicting the policy's victim (caller holds the lock).
+
+        Raises:
+            RuntimeError: every resident expert is in use, pinned or loading.
+        """
+        if self._free:
+            return self._free.pop()
+        protected = self._in_use | self.pinned
+        candidates = [k for k in self._slot_of if k not in protected]
+        if not candidates:
+            raise RuntimeError("no evictable expert slot: all are in use, pinned or loading")
+        victim = self.policy.victim(candidates, layer)
+        slot = self._slot_of.pop(victim)
+        self._key_of[slot] = None
+        self.policy.on_evict(victim)
+        self.metrics.evictions[victim[0]] += 1
+        if victim in self._unused_prefetched:
+            self._unused_prefetched.discard(victim)
+            self.metrics.wasted_prefetch_bytes += self.expert_bytes
+        return slot
+
+    def _claim_slot_waiting(self, layer: int) -> int:
+        """`_claim_slot`, waiting for in-flight prefetches when they hold the only other slots."""
+        while True:
+            try:
+                return self._claim_slot(layer)
+            except RuntimeError:
+                if not self._loading:
+                    raise
+                self._queue.cond.wait()
+
+    def _load_into(self, slot: int, key: ExpertKey, disk: DiskTier | None = None) -> None:
+        """Fill `slot` with `key` from the host cache or disk, and make it resident (caller holds the lock)."""
+        gate_up, down = self.gate_up[slot], self.down[slot]
+        cached = self._host.get(key)
+        if cached is not None:
+            gate_up.copy_(cached.gate_up, non_blocking=True)
+            down.copy_(cached.down, non_blocking=True)
+            self.metrics.bytes_read_host += self.expert_bytes
+        else:
+            buf = self._host.slot_for(key)
+            if buf is None:
+                self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, gate_up, down)
+            else:
+                self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, buf.gate_up, buf.down)
+                gate_up.copy_(buf.gate_up, non_blocking=True)
+                down.copy_(buf.down, non_blocking=True)
+        self._slot_of[key] = slot
+        self._key_of[slot] = key
+        self.policy.on_insert(key)
+
+    def _prefetch_one(self, key: ExpertKey) -> None:
+        """Load one predicted expert (called by the prefetch worker)."""
+        with self._queue.lock:
+            if key in self._slot_of or key in self._loading:
+                return
+            try:
+                slot = self._claim_slot(key[0])
+            except RuntimeError:
+                return
+            self._loading.add(key)
+            self._key_of[slot] = key
+        # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
+        gate_up, down = self.gate_up[slot], self.down[slot]
+        nbytes = self._prefetch_disk.read_into(key, gate_up, down)
+        with self._queue.lock:
+            self._loading.discard(key)
+            self._slot_of[key] = slot
+            self.policy.on_insert(key)
+            self._unused_prefetched.add(key)
+            self.metrics.prefetch_loads += 1
+            self.metrics.prefetch_bytes += nbytes
+            self.metrics.bytes_read_disk += nbytes
+            self._queue.cond.notify_all()
+
+    def stats(self) -> dict:
+        """Metrics as a flat dict (see ExpertStats.as_dict), plus the pool's sizes."""
+        with self._queue.lock:
+            d = self.metrics.as_dict()
+            d.update(num_slots=self.num_slots, expert_bytes=self.expert_bytes, resident_experts=len(self._slot_of),
+                     host_cache_experts=len(self._host), policy=self.policy.name, prefetch=self.prefetch_mode)
+            return d
+
+    def resident_experts(self) -> set[ExpertKey]:
+        with self._queue.lock:
+            return set(self._slot_of)
 
     def nbytes(self) -> int:
-        """Bytes held by all routed experts."""
-        return sum(t.numel() * t.element_size() for d in (self._gate_up, self._down) for t in d.values())
+        """Bytes of the device slot pool."""
+        return self.num_slots * self.expert_bytes
+
+    def close(self) -> None:
+        """Stop the prefetch worker and close files."""
+        with self._queue.lock:
+            self._queue.closed = True
+            self._queue.cond.notify_all()
+        self._disk.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def load_pin_profile(path: str, cfg: ModelConfig) -> list[ExpertKey]:
+    """Experts to pin, from a JSON calibration profile {"<layer>": [expert ids], ...}.
+
+    Raises:
+        ValueError: unreadable file, a layer that is not an MoE layer, or an expert id out of range.
+    """
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        pairs = [(int(layer), int(e)) for layer, experts in raw.items() for e in experts]
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        raise ValueError(f"cannot read expert pin profile '{path}' (want JSON {{\"layer\": [expert ids]}}): {e}") from e
+    for layer, e in pairs:
+        if not (0 <= layer < cfg.num_layers and cfg.moe_layers[layer]):
+            raise ValueError(f"pin profile '{path}' names layer {layer}, which is not an MoE layer of this model")
+        if not 0 <= e < cfg.num_experts:
+            raise ValueError(f"pin profile '{path}' names expert {e} of layer {layer}; the model has {cfg.num_experts}")
+    return pairs

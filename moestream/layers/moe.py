@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestream.experts.store import ExpertStore
+from moestream.experts.interface import ExpertStore
 from moestream.layers.linear import Linear
 
 
@@ -32,6 +32,9 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
         self.store = store
+        # (next MoE layer index, its router), set by the model; a tuple so that torch does
+        # not register the other layer's router as a submodule of this one.
+        self.lookahead: tuple[int, Linear] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing: (weights [T, k] float32, expert ids [T, k] int64)."""
@@ -43,6 +46,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        self.store.on_route(self.layer_idx, ids, weights)
         flat_ids = ids.flatten()  # [T*k]
         order = torch.argsort(flat_ids, stable=True)  # [T*k], grouped by expert
         token_of = order // self.top_k  # [T*k] token row of each sorted pair
@@ -51,11 +55,23 @@ class SparseMoE(nn.Module):
         active = [e for e, c in enumerate(counts) if c]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         start = 0
-        for e, w in zip(active, self.store.ensure(self.layer_idx, active)):
-            end = start + counts[e]
-            rows = token_of[start:end]
-            gate, up = F.linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(F.silu(gate) * up, w.down)  # [n, H]
-            out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
-            start = end
+        wave = self.store.max_experts_per_call()
+        for w0 in range(0, len(active), wave):  # more experts than slots: run in waves
+            chunk = active[w0 : w0 + wave]
+            experts = self.store.ensure(self.layer_idx, chunk)
+            if w0 == 0 and self.lookahead is not None and self.store.lookahead:
+                self._hint_next_layer(x)
+            for e, w in zip(chunk, experts):
+                end = start + counts[e]
+                rows = token_of[start:end]
+                gate, up = F.linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
+                y = F.linear(F.silu(gate) * up, w.down)  # [n, H]
+                out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
+                start = end
         return out.to(x.dtype)
+
+    def _hint_next_layer(self, x: torch.Tensor) -> None:
+        """Gate lookahead: the next MoE layer's router applied to this layer's input."""
+        next_layer, next_gate = self.lookahead
+        predicted = torch.topk(next_gate(x), self.top_k, dim=-1).indices  # [T, k]
+        self.store.prefetch(next_layer, torch.unique(predicted).tolist())

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moestream.config import ModelConfig
-from moestream.experts.store import ExpertStore
+from moestream.experts.interface import ExpertStore
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Embedding, Linear
@@ -61,6 +61,9 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, backend, store) for i in range(cfg.num_layers))
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+        for moe, nxt in zip(moes, moes[1:]):
+            moe.lookahead = (nxt.layer_idx, nxt.gate)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -25,12 +25,42 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="bytes for the KV cache (default: enough for max-num-seqs full-length sequences, at most 4 GiB)")
+    x = p.add_argument_group("expert paging")
+    x.add_argument("--expert-budget", type=_budget, default=None,
+                   help="device memory for routed experts: a fraction in (0, 1] of their bytes (e.g. 0.25) or a "
+                        "number of bytes (e.g. 2000000000); the rest stay on disk / in host memory (default: all resident)")
+    x.add_argument("--expert-host-cache-bytes", type=int, default=0,
+                   help="bytes of host memory caching experts between disk and device (default: 0)")
+    x.add_argument("--expert-policy", default="lru", choices=["lru", "lfu", "activation"],
+                   help="eviction policy of the expert slots (default: lru)")
+    x.add_argument("--expert-prefetch", default="gate", choices=["none", "gate", "history"],
+                   help="prefetch predicted experts: gate = next layer's router on this layer's input, "
+                        "history = co-activation statistics (default: gate)")
+    x.add_argument("--expert-pin-profile", default=None,
+                   help='JSON file {"layer": [expert ids]} of hot experts kept resident')
+    x.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="record (request, token, layer, expert ids) of every routed token to FILE (.npz)")
+
+
+def _budget(text: str) -> float | int:
+    """'0.25' -> 0.25 (a fraction); '2000000000' -> 2000000000 (bytes)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction like 0.25 or a number of bytes, got '{text}'") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                expert_budget=args.expert_budget, expert_host_cache_bytes=args.expert_host_cache_bytes,
+                expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
+                expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
     add_engine_args(gen)
+    sim = sub.add_parser("trace-sim", add_help=False,
+                         help="replay a routing trace against each eviction policy and Belady's optimum "
+                              "(see `moestream trace-sim --help`)")
+    sim.add_argument("args", nargs=argparse.REMAINDER, help="trace-sim arguments")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["trace-sim"]:
+        from moestream.experts.trace import trace_sim_main
+
+        return trace_sim_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -81,6 +120,13 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"{o.prompt}{o.outputs[0].text}")
         print(f"[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]")
     print(f"--- {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s")
+    stats = llm.expert_stats()
+    if not stats["resident"]:
+        print(f"--- experts: hit rate {stats['hit_rate']:.3f} ({stats['hits']} hits, {stats['misses']} misses), "
+              f"{stats['bytes_read'] / 2**20:.1f} MiB read, stalled {stats['stall_seconds']:.2f} s")
+    if args.record_routing:
+        llm.llm_engine.save_routing_trace()
+        print(f"--- routing trace written to {args.record_routing}")
     return 0
 
 

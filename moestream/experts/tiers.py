@@ -1,0 +1,158 @@
+"""Where routed experts live off the device: the checkpoint's safetensors on disk (read in
+place by byte offset, never converted) and an optional host-memory cache.
+
+The safetensors layout (https://github.com/huggingface/safetensors): an 8-byte little-endian
+header length N, a JSON header mapping tensor names to dtype, shape and data_offsets
+[begin, end) relative to the end of the header, then the raw data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from moestream.experts.interface import ExpertWeights
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """A tensor's bytes in a safetensors file: absolute `offset` and `nbytes` (bytes)."""
+
+    path: str
+    name: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
+    """Parse one file's header into TensorLocations, checking that every tensor's bytes lie
+    inside the file.
+
+    Raises:
+        ValueError: unreadable file, corrupt header, unsupported dtype, or a tensor whose
+            bytes run past the end of the file (names the file and the tensor).
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError(f"header length {n} exceeds the file size {size}")
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"cannot read the safetensors header of '{path}' (corrupt or truncated?): {e}") from e
+    base = 8 + n
+    out: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if base + end > size:
+            raise ValueError(f"tensor '{name}' in '{path}' ends at byte {base + end}, past the end of the file ({size} bytes)")
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor '{name}' in '{path}' has unsupported dtype {info['dtype']}")
+        out[name] = TensorLocation(path, name, base + begin, end - begin, dtype, tuple(info["shape"]))
+    return out
+
+
+class DiskTier:
+    """Reads experts' gate, up and down weights from the checkpoint files by offset.
+
+    `locations[key]` = (gate, up, down) TensorLocations with shapes [I, H], [I, H], [H, I].
+    Reads use `os.preadv` into a reusable staging buffer, then one dtype-converting copy
+    into the destination (the same conversion the resident loader does, so bit-exact).
+    Not thread-safe: give each reading thread its own DiskTier.
+    """
+
+    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, TensorLocation, TensorLocation]]) -> None:
+        self.locations = locations
+        self._fds: dict[str, int] = {}
+        self._staging = bytearray()
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _read(self, loc: TensorLocation) -> torch.Tensor:
+        if len(self._staging) < loc.nbytes:
+            self._staging = bytearray(loc.nbytes)
+        view = memoryview(self._staging)[: loc.nbytes]
+        got = os.preadv(self._fd(loc.path), [view], loc.offset)
+        if got != loc.nbytes:
+            raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
+        return torch.frombuffer(view, dtype=loc.dtype).view(loc.shape)
+
+    def read_into(self, key: ExpertKey, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """Copy expert `key` into gate_up [2I, H] and down [H, I] (any dtype/device). Returns bytes read."""
+        gate, up, dn = self.locations[key]
+        inter = gate.shape[0]
+        gate_up[:inter].copy_(self._read(gate))
+        gate_up[inter:].copy_(self._read(up))
+        down.copy_(self._read(dn))
+        return gate.nbytes + up.nbytes + dn.nbytes
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class HostCache:
+    """LRU cache of experts in host memory (pinned when the device is CUDA), in the compute
+    dtype, holding at most `capacity` experts. Thread-safety is the caller's (the store's lock)."""
+
+    def __init__(self, capacity: int, inter: int, hidden: int, dtype: torch.dtype, pin: bool) -> None:
+        self.capacity = capacity
+        self._shape = (inter, hidden)
+        self._dtype = dtype
+        self._pin = pin
+        self._entries: OrderedDict[ExpertKey, ExpertWeights] = OrderedDict()
+        self._free: list[ExpertWeights] = []
+
+    def get(self, key: ExpertKey) -> ExpertWeights | None:
+        w = self._entries.get(key)
+        if w is not None:
+            self._entries.move_to_end(key)
+        return w
+
+    def slot_for(self, key: ExpertKey) -> ExpertWeights | None:
+        """A buffer to fill with `key`'s weights (evicting the LRU entry), or None if capacity is 0."""
+        if self.capacity == 0:
+            return None
+        if len(self._entries) >= self.capacity:
+            _, w = self._entries.popitem(last=False)
+        elif self._free:
+            w = self._free.pop()
+        else:
+            inter, hidden = self._shape
+            w = ExpertWeights(
+                torch.empty(2 * inter, hidden, dtype=self._dtype, pin_memory=self._pin),
+                torch.empty(hidden, inter, dtype=self._dtype, pin_memory=self._pin),
+            )
+        self._entries[key] = w
+        return w
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,125 @@
+"""PagedExpertStore on its own: exact slot bookkeeping, never evicting an expert in use
+(property test with random routing and a tiny pool), bit-exact weights from disk, and
+errors that name the file and the tensor."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from moestream import LLM, ModelConfig
+from moestream.experts.policy import LRUPolicy, make_policy
+from moestream.experts.store import PagedExpertStore
+from moestream.loader import CheckpointReader, expert_locations
+
+
+@pytest.fixture(scope="module")
+def qwen_cfg(qwen3_moe_dir: str) -> ModelConfig:
+    return ModelConfig.from_hf(qwen3_moe_dir)
+
+
+@pytest.fixture(scope="module")
+def locations(qwen3_moe_dir: str, qwen_cfg: ModelConfig):
+    return expert_locations(qwen_cfg, CheckpointReader(qwen3_moe_dir))
+
+
+@pytest.fixture(scope="module")
+def tensors(qwen3_moe_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(qwen3_moe_dir, "model.safetensors"))
+
+
+def make_store(cfg: ModelConfig, locations, slots: int, policy: str = "lru", **kw) -> PagedExpertStore:
+    moe = [i for i, m in enumerate(cfg.moe_layers) if m]
+    return PagedExpertStore(locations, cfg.num_layers, moe, cfg.num_experts, cfg.moe_intermediate_size,
+                            cfg.hidden_size, torch.float32, torch.device("cpu"), slots, kw.pop("host", 0),
+                            make_policy(policy), top_k=cfg.num_experts_per_tok, **kw)
+
+
+def test_weights_equal_checkpoint_and_lru_order(qwen_cfg, locations, tensors) -> None:
+    store = make_store(qwen_cfg, locations, slots=3)
+    w = store.ensure(0, [1, 4])
+    torch.testing.assert_close(w[0].gate_up[:32], tensors["model.layers.0.mlp.experts.1.gate_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(w[0].gate_up[32:], tensors["model.layers.0.mlp.experts.1.up_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(w[1].down, tensors["model.layers.0.mlp.experts.4.down_proj.weight"], rtol=0, atol=0)
+    store.ensure(2, [7])  # third slot
+    store.ensure(0, [4])  # hit; (0, 1) is now least recently used
+    store.ensure(2, [3])  # evicts (0, 1)
+    assert store.resident_experts() == {(0, 4), (2, 7), (2, 3)}
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["evictions"]) == (1, 4, 1)
+    assert s["hits_per_layer"] == [1, 0, 0] and s["misses_per_layer"] == [2, 0, 2]
+    assert s["bytes_read_per_tier"] == {"disk": 4 * store.expert_bytes, "host": 0}
+
+
+def test_host_cache_serves_repeat_misses(qwen_cfg, locations) -> None:
+    store = make_store(qwen_cfg, locations, slots=2, host=4)
+    for ids in ([0, 1], [2, 3], [0, 1]):
+        store.ensure(0, ids)
+    s = store.stats()
+    assert s["misses"] == 6 and s["bytes_read_per_tier"] == {"disk": 4 * store.expert_bytes, "host": 2 * store.expert_bytes}
+
+
+def test_pinned_experts_never_evicted(qwen_cfg, locations) -> None:
+    store = make_store(qwen_cfg, locations, slots=4, pinned=[(0, 5), (2, 6)])
+    assert store.max_experts_per_call() == 2
+    for e in range(8):
+        store.ensure(0, [e])
+    assert {(0, 5), (2, 6)} <= store.resident_experts()
+    with pytest.raises(ValueError, match="at most 2 fit"):
+        store.ensure(0, [0, 1, 2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 2]), st.sets(st.integers(0, 7), min_size=1, max_size=3)), min_size=1, max_size=30),
+       st.sampled_from(["lru", "lfu", "activation"]), st.integers(3, 5))
+def test_never_evicts_an_expert_in_use(qwen_cfg, locations, tensors, calls, policy, slots) -> None:
+    store = make_store(qwen_cfg, locations, slots=slots, policy=policy)
+    for layer, ids in calls:
+        ids = sorted(ids)
+        weights = store.ensure(layer, ids)
+        resident = store.resident_experts()
+        assert {(layer, e) for e in ids} <= resident and len(resident) <= slots
+        for e, w in zip(ids, weights):  # each returned view holds exactly that expert
+            ref = tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+            assert torch.equal(w.down, ref)
+
+
+def test_prefetch_loads_ahead_and_counts(qwen_cfg, locations) -> None:
+    store = make_store(qwen_cfg, locations, slots=4, prefetch="gate")
+    store.ensure(0, [0])
+    store.prefetch(2, [1, 2])
+    deadline = 200
+    while len(store.resident_experts()) < 3 and deadline:
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        deadline -= 1
+        import time
+
+        time.sleep(0.01)
+    assert {(2, 1), (2, 2)} <= store.resident_experts()
+    store.ensure(2, [1])
+    s = store.stats()
+    assert s["prefetch_loads"] == 2 and s["prefetch_hits"] == 1 and s["misses"] == 1
+    store.ensure(0, [3])
+    store.ensure(0, [4])  # 4 slots: (0,0), (2,1), (2,2), (0,3) -> evicts LRU (0,0)
+    store.ensure(0, [5])  # evicts (2,2): prefetched, never used
+    assert s["wasted_prefetch_bytes"] == 0 and store.stats()["wasted_prefetch_bytes"] == store.expert_bytes
+
+
+def test_corrupt_expert_tensor_names_file_and_tensor(qwen3_moe_dir: str, tmp_path) -> None:
+    d = str(tmp_path / "m")
+    shutil.copytree(qwen3_moe_dir, d)
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(ValueError, match=r"tensor '.*' in '.*model.safetensors' ends at byte \d+, past the end of the file"):
+        LLM(d, dtype="float32", expert_budget=0.5)
+
+
+def test_policy_base_is_lru_for_store(qwen_cfg, locations) -> None:
+    assert isinstance(make_store(qwen_cfg, locations, slots=2).policy, LRUPolicy)
