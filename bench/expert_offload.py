@@ -73,13 +73,13 @@ def disk_bandwidth(path: str, read_bytes: int, nbytes: int = 256 << 20) -> float
     return done / (time.perf_counter() - start)
 
 
-def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int) -> dict:
+def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str) -> dict:
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
     t0 = time.perf_counter()
     llm = LLM(ckpt, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 8, max_num_seqs=batch,
-              expert_budget=None if budget >= 1.0 else budget, expert_prefetch="gate")
+              expert_budget=None if budget >= 1.0 else budget, expert_prefetch=prefetch)
     load_s = time.perf_counter() - t0
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(prompt_len)]} for _ in range(batch)]
@@ -94,6 +94,7 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
     row = {
         "budget": budget,
         "batch": batch,
+        "prefetch": prefetch if budget < 1.0 else "-",
         "load_seconds": load_s,
         "tpot_s": sum(tpots) / len(tpots),
         "ttft_s": sum(o.metrics.ttft for o in outs) / len(outs),
@@ -103,6 +104,9 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
         "stall_share": (stats["stall_seconds"] - before.get("stall_seconds", 0.0)) / wall,
         "bytes_read": stats["bytes_read"],
         "missed_bytes": stats.get("misses", 0) * stats.get("expert_bytes", 0),
+        "prefetch_hits": stats.get("prefetch_hits", 0),
+        "prefetch_bytes": stats.get("prefetch_bytes", 0),
+        "wasted_prefetch_bytes": stats.get("wasted_prefetch_bytes", 0),
         "wall_seconds": wall,
         "output_token_ids": [o.outputs[0].token_ids for o in outs],
     }
@@ -119,9 +123,11 @@ def main() -> int:
     ap.add_argument("--moe-intermediate", type=int, default=768)
     ap.add_argument("--budgets", default="1.0,0.5,0.25,0.125")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prefetch", default="none,gate", help="prefetch modes to compare at budgets below 100%%")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "expert_offload"))
+    ap.add_argument("--bandwidth-bytes", type=int, default=256 << 20, help="bytes read to measure disk bandwidth")
     args = ap.parse_args()
     if not os.path.exists(os.path.join(args.ckpt, "config.json")):
         print(f"making checkpoint in {args.ckpt} ...", flush=True)
@@ -131,17 +137,20 @@ def main() -> int:
     cfg = ModelConfig.from_hf(args.ckpt)
     expert_tensor_bytes = cfg.moe_intermediate_size * cfg.hidden_size * 2
     expert_total = sum(cfg.moe_layers) * cfg.num_experts * 3 * expert_tensor_bytes
-    bw = disk_bandwidth(args.ckpt, expert_tensor_bytes)
+    bw = disk_bandwidth(args.ckpt, expert_tensor_bytes, args.bandwidth_bytes)
     print(f"routed experts: {expert_total / 2**30:.2f} GiB; cold random-read bandwidth {bw / 2**20:.0f} MiB/s", flush=True)
     rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        for budget in [float(b) for b in args.budgets.split(",")]:
-            row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len)
-            row["io_floor_tpot_s"] = row["missed_bytes"] / bw / (args.max_tokens + 1)
-            rows.append(row)
-            print(f"budget {budget:>5.3f} batch {batch}: TPOT {row['tpot_s'] * 1e3:8.1f} ms, {row['tokens_per_s']:6.2f} tok/s, "
-                  f"hit rate {row['hit_rate']:.3f}, stall {row['stall_share']:.0%}, read {row['bytes_read'] / 2**30:.2f} GiB, "
-                  f"I/O floor {row['io_floor_tpot_s'] * 1e3:.1f} ms/token", flush=True)
+    runs = [(batch, budget, prefetch)
+            for batch in [int(b) for b in args.batches.split(",")]
+            for budget in [float(b) for b in args.budgets.split(",")]
+            for prefetch in (args.prefetch.split(",") if budget < 1.0 else ["none"])]
+    for batch, budget, prefetch in runs:
+        row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len, prefetch)
+        row["io_floor_tpot_s"] = row["missed_bytes"] / bw / (args.max_tokens + 1)
+        rows.append(row)
+        print(f"budget {budget:>5.3f} batch {batch} prefetch {row['prefetch']}: TPOT {row['tpot_s'] * 1e3:8.1f} ms, "
+              f"{row['tokens_per_s']:6.2f} tok/s, hit rate {row['hit_rate']:.3f}, stall {row['stall_share']:.0%}, "
+              f"read {row['bytes_read'] / 2**30:.2f} GiB, I/O floor {row['io_floor_tpot_s'] * 1e3:.1f} ms/token", flush=True)
     for batch in {r["batch"] for r in rows}:
         same = [r["output_token_ids"] for r in rows if r["batch"] == batch]
         assert all(s == same[0] for s in same), "outputs differ across budgets"
@@ -152,11 +161,13 @@ def main() -> int:
         r.pop("output_token_ids")
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["| budget | batch | TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | stall share | read (GiB) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| budget | batch | prefetch | TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | stall share | "
+             "read (GiB) | wasted prefetch (GiB) |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['budget']:.1%} | {r['batch']} | {r['tpot_s'] * 1e3:.1f} | {r['io_floor_tpot_s'] * 1e3:.1f} | "
-                     f"{r['tokens_per_s']:.2f} | {r['hit_rate']:.3f} | {r['stall_share']:.0%} | {r['bytes_read'] / 2**30:.2f} |")
+        lines.append(f"| {r['budget']:.1%} | {r['batch']} | {r['prefetch']} | {r['tpot_s'] * 1e3:.1f} | "
+                     f"{r['io_floor_tpot_s'] * 1e3:.1f} | {r['tokens_per_s']:.2f} | {r['hit_rate']:.3f} | "
+                     f"{r['stall_share']:.0%} | {r['bytes_read'] / 2**30:.2f} | {r['wasted_prefetch_bytes'] / 2**30:.2f} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -168,11 +179,14 @@ def main() -> int:
 
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         for batch in sorted({r["batch"] for r in rows}):
-            rs = [r for r in rows if r["batch"] == batch]
-            xs = [r["budget"] * 100 for r in rs]
-            ax[0].plot(xs, [r["tpot_s"] * 1e3 for r in rs], "o-", label=f"TPOT, batch {batch}")
-            ax[0].plot(xs, [r["io_floor_tpot_s"] * 1e3 for r in rs], "x--", label=f"I/O floor, batch {batch}")
-            ax[1].plot(xs, [r["hit_rate"] for r in rs], "o-", label=f"batch {batch}")
+            for prefetch in args.prefetch.split(","):
+                rs = [r for r in rows if r["batch"] == batch and r["prefetch"] in (prefetch, "-")]
+                xs = [r["budget"] * 100 for r in rs]
+                ax[0].plot(xs, [r["tpot_s"] * 1e3 for r in rs], "o-", label=f"TPOT, batch {batch}, prefetch {prefetch}")
+                ax[1].plot(xs, [r["hit_rate"] for r in rs], "o-", label=f"batch {batch}, prefetch {prefetch}")
+            rs = [r for r in rows if r["batch"] == batch and r["prefetch"] in ("none", "-")]
+            ax[0].plot([r["budget"] * 100 for r in rs], [r["io_floor_tpot_s"] * 1e3 for r in rs], "x--",
+                       label=f"I/O floor (misses / cold bandwidth), batch {batch}")
         ax[0].set(xlabel="expert budget (% of routed-expert bytes)", ylabel="ms per output token", yscale="log")
         ax[1].set(xlabel="expert budget (%)", ylabel="expert hit rate", ylim=(0, 1.05))
         for a in ax:

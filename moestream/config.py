@@ -206,7 +206,9 @@ class EngineConfig:
         expert_host_cache_bytes: bytes of host memory caching experts between disk and device.
         expert_policy: eviction policy of the device slots: "lru", "lfu" or "activation".
         expert_prefetch: "gate" (next layer's router on this layer's input), "history"
-            (co-activation statistics) or "none". Only used when experts are paged.
+            (co-activation statistics), "none", or "auto": gate on CUDA, none on CPU, where
+            the prefetch thread competes with compute for the cores (bench/results/expert_offload.md).
+            Only used when experts are paged.
         expert_pin_profile: JSON file {"layer": [expert ids]} of experts kept resident.
         record_routing: file to write the routing trace (request, token, layer, experts) to.
     """
@@ -224,9 +226,16 @@ class EngineConfig:
     expert_budget: float | int | None = None
     expert_host_cache_bytes: int = 0
     expert_policy: str = "lru"
-    expert_prefetch: str = "gate"
+    expert_prefetch: str = "auto"
     expert_pin_profile: str | None = None
     record_routing: str | None = None
+
+    @property
+    def resolved_expert_prefetch(self) -> str:
+        """`expert_prefetch` with "auto" resolved for the device."""
+        if self.expert_prefetch != "auto":
+            return self.expert_prefetch
+        return "gate" if torch.device(self.device).type == "cuda" else "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -241,6 +250,10 @@ class EngineConfig:
             not _is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
         ):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
+        if self.expert_prefetch not in ("auto", "none", "gate", "history"):
+            raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
+        if self.expert_policy not in ("lru", "lfu", "activation"):
+            raise ValueError(f"unknown expert policy '{self.expert_policy}'; use lru, lfu or activation")
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):

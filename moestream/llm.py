@@ -40,7 +40,7 @@ class LLM:
         expert_budget: float | int | None = None,
         expert_host_cache_bytes: int = 0,
         expert_policy: str = "lru",
-        expert_prefetch: str = "gate",
+        expert_prefetch: str = "auto",
         expert_pin_profile: str | None = None,
         record_routing: str | None = None,
     ) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
@@ -28,8 +27,8 @@ from moestream.experts.trace import (
     trace_sim_main,
 )
 
-DEEPSEEK_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "deepseek_v2_lite_prompt_routing.npz")
-needs_trace = pytest.mark.skipif(not os.path.exists(DEEPSEEK_TRACE), reason="shared DeepSeek trace not present")
+# The first 60 prompts of ../shared/traces/deepseek_v2_lite_prompt_routing.npz (see fixtures/traces/README.md).
+DEEPSEEK_TRACE = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "deepseek_v2_lite_first60.npz")
 
 
 def test_save_load_round_trip(tmp_path) -> None:
@@ -50,7 +49,6 @@ def test_save_load_round_trip(tmp_path) -> None:
         RoutingTrace(np.zeros(2), np.array([0, 1]), np.zeros(1))
 
 
-@needs_trace
 def test_deepseek_loader() -> None:
     with np.load(DEEPSEEK_TRACE) as z:
         prompts = [z[f"prompt_{1001 + i}"] for i in range(3)]
@@ -170,7 +168,6 @@ def test_simulate_contract(accesses: list[tuple[int, tuple[int, ...]]], capacity
         assert r.misses - r.evictions == min(capacity, len({(l, e) for l, ex in accesses for e in ex} | pinned)) - len(pinned)
 
 
-@needs_trace
 def test_policies_below_belady_on_real_trace() -> None:
     trace = RoutingTrace.from_deepseek_npz(DEEPSEEK_TRACE, max_prompts=14)
     future = future_of(trace)
@@ -196,7 +193,6 @@ def test_trace_sim_main_table(tmp_path, capsys) -> None:
         trace_sim_main([path, "--policies", "fifo"])
 
 
-@needs_trace
 def test_trace_sim_main_deepseek(capsys) -> None:
     args = [DEEPSEEK_TRACE, "--max-prompts", "2", "--interleave", "2", "--cache-sizes", "64", "--jobs", "1"]
     assert trace_sim_main(args) == 0

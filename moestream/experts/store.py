@@ -201,12 +201,15 @@ class PagedExpertStore:
                 self._queue.cond.wait()
 
     def _load_into(self, slot: int, key: ExpertKey, disk: DiskTier | None = None) -> None:
-        """Fill `slot` with `key` from the host cache or disk, and make it resident (caller holds the lock)."""
+        """Fill `slot` with `key` from the host cache or disk, and make it resident (caller holds the lock).
+
+        Copies are synchronous: a host-cache buffer may be refilled right after this returns.
+        """
         gate_up, down = self.gate_up[slot], self.down[slot]
         cached = self._host.get(key)
         if cached is not None:
-            gate_up.copy_(cached.gate_up, non_blocking=True)
-            down.copy_(cached.down, non_blocking=True)
+            gate_up.copy_(cached.gate_up)
+            down.copy_(cached.down)
             self.metrics.bytes_read_host += self.expert_bytes
         else:
             buf = self._host.slot_for(key)
@@ -214,8 +217,8 @@ class PagedExpertStore:
                 self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, gate_up, down)
             else:
                 self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, buf.gate_up, buf.down)
-                gate_up.copy_(buf.gate_up, non_blocking=True)
-                down.copy_(buf.down, non_blocking=True)
+                gate_up.copy_(buf.gate_up)
+                down.copy_(buf.down)
         self._slot_of[key] = slot
         self._key_of[slot] = key
         self.policy.on_insert(key)

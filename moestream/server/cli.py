@@ -33,9 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes of host memory caching experts between disk and device (default: 0)")
     x.add_argument("--expert-policy", default="lru", choices=["lru", "lfu", "activation"],
                    help="eviction policy of the expert slots (default: lru)")
-    x.add_argument("--expert-prefetch", default="gate", choices=["none", "gate", "history"],
+    x.add_argument("--expert-prefetch", default="auto", choices=["auto", "none", "gate", "history"],
                    help="prefetch predicted experts: gate = next layer's router on this layer's input, "
-                        "history = co-activation statistics (default: gate)")
+                        "history = co-activation statistics, auto = gate on CUDA and none on CPU (default: auto)")
     x.add_argument("--expert-pin-profile", default=None,
                    help='JSON file {"layer": [expert ids]} of hot experts kept resident')
     x.add_argument("--record-routing", default=None, metavar="FILE",

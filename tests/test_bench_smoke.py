@@ -1,0 +1,23 @@
+"""Smoke test: the expert-offload benchmark script runs end to end on the tiny checkpoint
+(no timing asserted; only that it completes, agrees across budgets and writes its files)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_expert_offload_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
+    out = str(tmp_path / "offload")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "expert_offload.py"), "--ckpt", qwen3_moe_dir,
+           "--budgets", "1.0,0.5", "--batches", "2", "--max-tokens", "3", "--prompt-len", "4",
+           "--prefetch", "none,gate", "--bandwidth-bytes", "65536", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.load(open(out + ".json"))
+    assert [(r["budget"], r["prefetch"]) for r in data["rows"]] == [(1.0, "-"), (0.5, "none"), (0.5, "gate")]
+    assert data["meta"]["outputs_identical_across_budgets"] is True
+    assert data["rows"][0]["hit_rate"] == 1.0 and data["rows"][1]["missed_bytes"] > 0
+    assert open(out + ".md").read().count("\n") == 2 + 3
