@@ -24,3 +24,27 @@ def test_engine_freed_without_gc(qwen3_moe_dir: str) -> None:
         assert model_ref() is None and store_ref() is None
     finally:
         gc.enable()
+
+
+def test_paged_engine_with_prefetch_thread_freed_without_gc(qwen3_moe_dir: str) -> None:
+    import threading
+    import time
+
+    gc.collect()
+    gc.disable()
+    try:
+        threads0 = threading.active_count()
+        llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=64, expert_budget=0.5, expert_prefetch="gate")
+        llm.generate(["page me"], SamplingParams(temperature=0, max_tokens=4))
+        assert threading.active_count() == threads0 + 1  # the prefetch worker
+        engine_ref = weakref.ref(llm.llm_engine)
+        slots_ref = weakref.ref(llm.llm_engine.expert_store.gate_up)
+        del llm
+        assert engine_ref() is None and slots_ref() is None
+        for _ in range(100):  # the worker notices within its wait and exits
+            if threading.active_count() == threads0:
+                break
+            time.sleep(0.05)
+        assert threading.active_count() == threads0
+    finally:
+        gc.enable()
