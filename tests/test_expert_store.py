@@ -123,3 +123,59 @@ def test_corrupt_expert_tensor_names_file_and_tensor(qwen3_moe_dir: str, tmp_pat
 
 def test_policy_base_is_lru_for_store(qwen_cfg, locations) -> None:
     assert isinstance(make_store(qwen_cfg, locations, slots=2).policy, LRUPolicy)
+
+
+def _wait_resident(store: PagedExpertStore, keys: set, timeout_s: float = 10.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not keys <= store.resident_experts():
+        assert time.monotonic() < end, "prefetch did not finish"
+        time.sleep(0.01)
+
+
+def test_wasted_prefetch_bytes_in_disk_units(qwen3_moe_dir: str, qwen_cfg, tmp_path) -> None:
+    """Regression: with a bf16 checkpoint and float32 compute, wasted prefetch bytes were
+    counted in compute-dtype bytes (twice the bytes read), exceeding prefetch bytes."""
+    from safetensors.torch import save_file
+
+    d = str(tmp_path / "bf16")
+    shutil.copytree(qwen3_moe_dir, d)
+    path = os.path.join(d, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(path).items()}, path)
+    store = make_store(qwen_cfg, expert_locations(qwen_cfg, CheckpointReader(d)), slots=4, prefetch="gate")
+    store.ensure(0, [0])
+    store.prefetch(2, [1, 2])
+    _wait_resident(store, {(2, 1), (2, 2)})
+    for e in (3, 4, 5, 6):  # evicts (0,0), then the two unused prefetched experts
+        store.ensure(0, [e])
+    s = store.stats()
+    disk_expert_bytes = store.expert_bytes // 2  # bf16 on disk, float32 in the slots
+    assert s["prefetch_bytes"] == 2 * disk_expert_bytes
+    assert s["wasted_prefetch_bytes"] == 2 * disk_expert_bytes
+
+
+def _profile(tmp_path, raw) -> str:
+    import json
+
+    p = tmp_path / "pins.json"
+    p.write_text(json.dumps(raw) if not isinstance(raw, str) else raw)
+    return str(p)
+
+
+def test_pin_profile_validation(qwen3_moe_dir: str, tmp_path) -> None:
+    """Regressions: duplicate ids were counted twice against the budget; strings, floats and
+    bools were accepted as expert ids; a full budget was refused when pins were given."""
+    import numpy as np
+
+    eb = 3 * 32 * 64 * 4
+    llm = LLM(qwen3_moe_dir, dtype="float32", expert_budget=3 * eb, expert_pin_profile=_profile(tmp_path, {"0": [1, 1, 1]}))
+    assert llm.expert_stats()["num_slots"] == 3 and (0, 1) in llm.llm_engine.expert_store.pinned
+    for bad in ({"0": "12"}, {"0": [1.7]}, {"0": [True]}, [1, 2], {"x": [1]}):
+        with pytest.raises(ValueError, match="pin profile"):
+            LLM(qwen3_moe_dir, dtype="float32", expert_budget=0.5, expert_pin_profile=_profile(tmp_path, bad))
+    with pytest.raises(ValueError, match="not an MoE layer"):
+        LLM(qwen3_moe_dir, dtype="float32", expert_budget=0.5, expert_pin_profile=_profile(tmp_path, {"1": [0]}))
+    many = _profile(tmp_path, {"0": list(range(8)), "2": list(range(7))})
+    assert LLM(qwen3_moe_dir, dtype="float32", expert_budget=1.0, expert_pin_profile=many).expert_stats()["resident"]
+    assert LLM(qwen3_moe_dir, dtype="float32", expert_budget=np.int64(4 * eb)).expert_stats()["num_slots"] == 4

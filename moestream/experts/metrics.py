@@ -12,7 +12,9 @@ class ExpertStats:
 
     A hit is an `ensure`d expert already in a device slot; a prefetch hit is a hit on an
     expert that the prefetcher loaded and nobody had used yet. Wasted prefetch bytes are
-    bytes of prefetched experts evicted before any use. A stall is time `ensure` spends
+    bytes of prefetched experts evicted before any use. Each tier counts the bytes it
+    served in its own format: disk in the checkpoint's dtype, host in the compute dtype;
+    prefetch bytes are disk bytes. A stall is time `ensure` spends
     waiting for loads (demand misses and in-flight prefetches).
     """
 

@@ -9,6 +9,7 @@ experts (plus pinned ones): a batch that needs more distinct experts in a layer 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -49,9 +50,9 @@ def plan_experts(
     total = num_experts_total * expert_bytes
     if expert_budget is None:
         return ExpertPlan(True, num_experts_total, expert_bytes, total, total, 0)
-    if isinstance(expert_budget, bool) or not isinstance(expert_budget, (int, float)):
+    if isinstance(expert_budget, bool) or not isinstance(expert_budget, numbers.Real):
         raise ValueError(f"expert_budget must be a fraction in (0, 1] or a number of bytes, got {expert_budget!r}")
-    if isinstance(expert_budget, float):
+    if not isinstance(expert_budget, numbers.Integral):
         if not 0.0 < expert_budget <= 1.0:
             raise ValueError(
                 f"expert_budget={expert_budget} is not a fraction in (0, 1]; give a fraction of the routed-expert "
@@ -61,10 +62,12 @@ def plan_experts(
     else:
         if expert_budget <= 0:
             raise ValueError(f"expert_budget must be positive, got {expert_budget}")
-        budget = expert_budget
+        budget = int(expert_budget)
     if not isinstance(host_cache_bytes, int) or isinstance(host_cache_bytes, bool) or host_cache_bytes < 0:
         raise ValueError(f"expert host cache bytes must be a non-negative int, got {host_cache_bytes!r}")
     slots = budget // expert_bytes
+    if slots >= num_experts_total:  # covers every expert: full residency, pins or not
+        return ExpertPlan(True, num_experts_total, expert_bytes, total, budget, 0)
     minimum = top_k + num_pinned
     if slots < minimum:
         raise ValueError(
@@ -73,6 +76,4 @@ def plan_experts(
             f"{minimum * expert_bytes} bytes"
         )
     host = min(host_cache_bytes // expert_bytes, num_experts_total)
-    if slots >= num_experts_total:
-        return ExpertPlan(True, num_experts_total, expert_bytes, total, budget, 0)
     return ExpertPlan(False, slots, expert_bytes, total, budget, host)

@@ -95,7 +95,7 @@ class PagedExpertStore:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._loading: set[ExpertKey] = set()
         self._in_use: frozenset[ExpertKey] = frozenset()
-        self._unused_prefetched: set[ExpertKey] = set()
+        self._unused_prefetched: dict[ExpertKey, int] = {}  # prefetched, not used yet -> bytes read
         self._queue = PrefetchQueue()
         self.prefetch_mode = prefetch
         self.lookahead = prefetch == "gate"
@@ -154,8 +154,7 @@ class PagedExpertStore:
                     slot = self._slot_of.get(key)
                 if slot is not None:
                     self.metrics.hits[layer] += 1
-                    if key in self._unused_prefetched:
-                        self._unused_prefetched.discard(key)
+                    if self._unused_prefetched.pop(key, None) is not None:
                         self.metrics.prefetch_hits += 1
                 else:
                     self.metrics.misses[layer] += 1
@@ -185,9 +184,9 @@ class PagedExpertStore:
         self._key_of[slot] = None
         self.policy.on_evict(victim)
         self.metrics.evictions[victim[0]] += 1
-        if victim in self._unused_prefetched:
-            self._unused_prefetched.discard(victim)
-            self.metrics.wasted_prefetch_bytes += self.expert_bytes
+        wasted = self._unused_prefetched.pop(victim, None)
+        if wasted is not None:
+            self.metrics.wasted_prefetch_bytes += wasted
         return slot
 
     def _claim_slot_waiting(self, layer: int) -> int:
@@ -241,7 +240,7 @@ class PagedExpertStore:
             self._loading.discard(key)
             self._slot_of[key] = slot
             self.policy.on_insert(key)
-            self._unused_prefetched.add(key)
+            self._unused_prefetched[key] = nbytes
             self.metrics.prefetch_loads += 1
             self.metrics.prefetch_bytes += nbytes
             self.metrics.bytes_read_disk += nbytes
@@ -286,9 +285,16 @@ def load_pin_profile(path: str, cfg: ModelConfig) -> list[ExpertKey]:
     try:
         with open(path) as f:
             raw = json.load(f)
-        pairs = [(int(layer), int(e)) for layer, experts in raw.items() for e in experts]
-    except (OSError, ValueError, AttributeError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read expert pin profile '{path}' (want JSON {{\"layer\": [expert ids]}}): {e}") from e
+    if not isinstance(raw, dict) or not all(
+        isinstance(v, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in v) for v in raw.values()
+    ):
+        raise ValueError(f"expert pin profile '{path}' must be a JSON object mapping layer to a list of integer expert ids")
+    try:
+        pairs = list(dict.fromkeys((int(layer), e) for layer, experts in raw.items() for e in experts))
+    except ValueError as e:
+        raise ValueError(f"expert pin profile '{path}' has a layer key that is not an integer: {e}") from e
     for layer, e in pairs:
         if not (0 <= layer < cfg.num_layers and cfg.moe_layers[layer]):
             raise ValueError(f"pin profile '{path}' names layer {layer}, which is not an MoE layer of this model")
