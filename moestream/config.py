@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from moestream.validation import is_int
+
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
 
@@ -242,19 +244,19 @@ class EngineConfig:
             raise ValueError(f"model must be a checkpoint directory path, got {self.model!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer of at least 2, got {self.max_model_len!r}")
         if self.kv_cache_memory_bytes is not None and (
-            not _is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
+            not is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
         ):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
         if self.expert_policy not in ("lru", "lfu", "activation"):
             raise ValueError(f"unknown expert policy '{self.expert_policy}'; use lru, lfu or activation")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
@@ -265,6 +267,3 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device '{self.device}' was asked for, but this torch build sees no CUDA device; use device='cpu'")
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

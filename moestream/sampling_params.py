@@ -1,11 +1,11 @@
 """Per-request sampling parameters, named and defaulted as in vLLM (vllm/sampling_params.py)."""
 
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from moestream.validation import is_int, is_number
 
 # Temperatures below this are treated as greedy, as vLLM's _SAMPLING_EPS.
 SAMPLING_EPS = 1e-5
@@ -68,7 +68,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) for t in self.stop_token_ids):
+        elif isinstance(self.stop_token_ids, (list, tuple)) and all(is_int(t) for t in self.stop_token_ids):
             self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         else:
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
@@ -84,20 +84,20 @@ class SamplingParams:
                 raise ValueError(f"{field} must be {rule}, got {getattr(self, field)!r}")
 
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            check(_is_number(getattr(self, name)), name, "a finite number")
+            check(is_number(getattr(self, name)), name, "a finite number")
         check(self.temperature >= 0.0, "temperature", "non-negative (>= 0)")
         check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]")
-        check(_is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
+        check(is_int(self.top_k) and (self.top_k in (-1, 0) or self.top_k >= 1),
               "top_k", "-1 or 0 (disabled) or at least 1")
         check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "None or at least 1")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "greater than 0")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
-        check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "None or an int of at least 0")
-        check(self.seed is None or _is_int(self.seed), "seed", "None or an int")
+        check(self.seed is None or is_int(self.seed), "seed", "None or an int")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 
     @property
@@ -105,12 +105,3 @@ class SamplingParams:
         """True when the temperature is (near) zero, so sampling is argmax, as vLLM (< 1e-5)."""
         return self.temperature < SAMPLING_EPS
 
-
-def _is_int(x: object) -> bool:
-    """An int that is not a bool (numpy integers count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    """A finite real number that is not a bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)

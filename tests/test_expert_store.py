@@ -94,14 +94,7 @@ def test_prefetch_loads_ahead_and_counts(qwen_cfg, locations) -> None:
     store = make_store(qwen_cfg, locations, slots=4, prefetch="gate")
     store.ensure(0, [0])
     store.prefetch(2, [1, 2])
-    deadline = 200
-    while len(store.resident_experts()) < 3 and deadline:
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
-        deadline -= 1
-        import time
-
-        time.sleep(0.01)
-    assert {(2, 1), (2, 2)} <= store.resident_experts()
+    _wait_resident(store, {(2, 1), (2, 2)})
     store.ensure(2, [1])
     s = store.stats()
     assert s["prefetch_loads"] == 2 and s["prefetch_hits"] == 1 and s["misses"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import time
 from collections.abc import Sequence
 
@@ -34,17 +33,13 @@ from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import Logprob, SamplingParams
+from moestream.validation import is_int
 
 logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
 
 _DEFAULT_KV_CAP_BYTES = 4 << 30
-
-
-def _is_int(x: object) -> bool:
-    """An int that is not a bool (numpy integers count)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 class LLMEngine:
@@ -180,7 +175,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not _is_int(t) or not 0 <= t < vocab]
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         ids = [int(t) for t in ids]
