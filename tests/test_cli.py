@@ -69,3 +69,9 @@ def test_trace_sim_subcommand(tmp_path, capsys) -> None:
     assert ["slots", "lru", "belady"] in rows
     assert ["2", "0.0000", "0.0000"] in rows  # 2 slots, each access needs both: every key is evicted before reuse
     assert ["4", "0.9000", "0.9000"] in rows  # 4 slots hold all 4 keys: only the 4 first accesses miss
+
+
+def test_generate_defaults_to_the_demo_model(capsys) -> None:
+    assert main(["generate", "--max-tokens", "4", "--max-model-len", "64", "def f(x):"]) == 0
+    out = capsys.readouterr().out
+    assert "[4 tokens, finish_reason=length]" in out or "finish_reason=stop" in out

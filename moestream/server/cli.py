@@ -13,7 +13,9 @@ from moestream import __version__
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer) "
+                        "(default: the built-in demo model, a small MoE trained on Python's standard library)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype (default: auto)")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
@@ -55,7 +57,14 @@ def _budget(text: str) -> float | int:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    """LLM(...) keyword arguments from the engine flags.
+
+    Raises:
+        ValueError: no --model and the demo model is missing.
+    """
+    from moestream.demo import demo_model_path
+
+    return dict(model=args.model if args.model is not None else demo_model_path(), dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 expert_budget=args.expert_budget, expert_host_cache_bytes=args.expert_host_cache_bytes,
@@ -105,9 +114,10 @@ def _generate(args: argparse.Namespace) -> int:
     from moestream import LLM, SamplingParams
 
     try:
+        llm_kwargs = engine_kwargs(args)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(**engine_kwargs(args))
+        llm = LLM(**llm_kwargs)
         start = time.perf_counter()
         outputs = llm.generate(args.prompts, params)
     except ValueError as e:
