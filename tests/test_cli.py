@@ -22,6 +22,8 @@ def test_generate_bad_input_is_a_clear_error(qwen3_moe_dir: str, capsys: pytest.
     assert "error: model directory '/no/such/dir' does not exist" in capsys.readouterr().err
     assert main(["generate", "--model", qwen3_moe_dir, "--top-p", "0", "Hi"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--model", qwen3_moe_dir, "--repetition-penalty", "0", "Hi"]) == 2
+    assert "repetition_penalty must be greater than 0" in capsys.readouterr().err
 
 
 def test_every_flag_has_help() -> None:

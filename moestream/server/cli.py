@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: 0)")
     gen.add_argument("--seed", type=int, default=None,
                      help="sampling seed: the same seed gives the same output (default: none)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="penalise tokens already in the prompt or output; > 1 discourages repeats (default: 1)")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
     add_engine_args(gen)
@@ -116,7 +118,8 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         llm_kwargs = engine_kwargs(args)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+                                repetition_penalty=args.repetition_penalty)
         llm = LLM(**llm_kwargs)
         start = time.perf_counter()
         outputs = llm.generate(args.prompts, params)
