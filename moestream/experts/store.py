@@ -91,7 +91,6 @@ class PagedExpertStore:
         self._prefetch_disk = DiskTier(locations)
         self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda")
         self._slot_of: dict[ExpertKey, int] = {}
-        self._key_of: list[ExpertKey | None] = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._loading: set[ExpertKey] = set()
         self._in_use: frozenset[ExpertKey] = frozenset()
@@ -181,7 +180,6 @@ class PagedExpertStore:
             raise RuntimeError("no evictable expert slot: all are in use, pinned or loading")
         victim = self.policy.victim(candidates, layer)
         slot = self._slot_of.pop(victim)
-        self._key_of[slot] = None
         self.policy.on_evict(victim)
         self.metrics.evictions[victim[0]] += 1
         wasted = self._unused_prefetched.pop(victim, None)
@@ -219,7 +217,6 @@ class PagedExpertStore:
                 gate_up.copy_(buf.gate_up)
                 down.copy_(buf.down)
         self._slot_of[key] = slot
-        self._key_of[slot] = key
         self.policy.on_insert(key)
 
     def _prefetch_one(self, key: ExpertKey) -> None:
@@ -232,8 +229,7 @@ class PagedExpertStore:
             except RuntimeError:
                 return
             self._loading.add(key)
-            self._key_of[slot] = key
-        # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
+            # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
         gate_up, down = self.gate_up[slot], self.down[slot]
         nbytes = self._prefetch_disk.read_into(key, gate_up, down)
         with self._queue.lock:

@@ -129,7 +129,6 @@ class HostCache:
         self._dtype = dtype
         self._pin = pin
         self._entries: OrderedDict[ExpertKey, ExpertWeights] = OrderedDict()
-        self._free: list[ExpertWeights] = []
 
     def get(self, key: ExpertKey) -> ExpertWeights | None:
         w = self._entries.get(key)
@@ -143,8 +142,6 @@ class HostCache:
             return None
         if len(self._entries) >= self.capacity:
             _, w = self._entries.popitem(last=False)
-        elif self._free:
-            w = self._free.pop()
         else:
             inter, hidden = self._shape
             w = ExpertWeights(
