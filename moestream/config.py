@@ -213,6 +213,9 @@ class EngineConfig:
             Only used when experts are paged.
         expert_pin_profile: JSON file {"layer": [expert ids]} of experts kept resident.
         record_routing: file to write the routing trace (request, token, layer, experts) to.
+        max_resident_states: hybrid (linear-attention) models only: how many requests keep
+            their conv/recurrent states on the device; the rest wait in host memory and are
+            swapped back in before their next forward. None = max_num_seqs.
     """
 
     model: str
@@ -231,6 +234,7 @@ class EngineConfig:
     expert_prefetch: str = "auto"
     expert_pin_profile: str | None = None
     record_routing: str | None = None
+    max_resident_states: int | None = None
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -248,6 +252,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer of at least 2, got {self.max_model_len!r}")
+        if self.max_resident_states is not None and (
+            not is_int(self.max_resident_states) or self.max_resident_states < 1
+        ):
+            raise ValueError(f"max_resident_states must be a positive integer, got {self.max_resident_states!r}")
         if self.kv_cache_memory_bytes is not None and (
             not is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
         ):

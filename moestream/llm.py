@@ -43,6 +43,7 @@ class LLM:
         expert_prefetch: str = "auto",
         expert_pin_profile: str | None = None,
         record_routing: str | None = None,
+        max_resident_states: int | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -61,6 +62,7 @@ class LLM:
                 expert_prefetch=expert_prefetch,
                 expert_pin_profile=expert_pin_profile,
                 record_routing=record_routing,
+                max_resident_states=max_resident_states,
             )
         )
 
