@@ -11,7 +11,9 @@ import torch
 
 from moestream.validation import is_int
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+# Hybrid models: gated full attention + Gated DeltaNet linear attention + MoE with a shared expert.
+HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -45,6 +47,14 @@ class ModelConfig:
 
     All sizes are element counts. `moe_layers[i]` is True when layer i has a routed-expert
     MoE block, False when it has a dense MLP of `intermediate_size`.
+
+    Hybrid models (Qwen3-Next, Qwen3.5-MoE) also set: `layer_types[i]` "full_attention" or
+    "linear_attention" (Gated DeltaNet); the `linear_*` sizes of the GDN layers;
+    `shared_expert_intermediate_size` (0 = no shared expert); `attn_output_gate` (q_proj
+    doubled to give a sigmoid output gate); `partial_rotary_factor` (RoPE on the first
+    fraction of head_dim); `norm_unit_offset` (RMSNorm scales by 1 + weight); and
+    `weight_prefix`, the checkpoint prefix of the decoder ("model." or, for Qwen3.5-MoE's
+    multimodal class, "model.language_model.").
     """
 
     model_type: str
@@ -71,6 +81,34 @@ class ModelConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_unit_offset: bool = False
+    weight_prefix: str = "model."
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layers are linear attention (they keep a state, not a KV cache)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Decoder indices of full-attention layers (the only ones with a KV cache)."""
+        if not self.layer_types:
+            return list(range(self.num_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Decoder indices of linear-attention (Gated DeltaNet) layers."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @staticmethod
     def from_hf(model_dir: str) -> "ModelConfig":
@@ -97,6 +135,15 @@ class ModelConfig:
     def from_dict(hf: dict[str, Any]) -> "ModelConfig":
         """Normalise an HF config dict (see `from_hf`)."""
         model_type = hf.get("model_type")
+        weight_prefix = "model."
+        if model_type == "qwen3_5_moe" and isinstance(hf.get("text_config"), dict):
+            # The multimodal class: the decoder is `model.language_model.`; vision is not loaded.
+            outer = hf
+            hf = {**hf["text_config"]}
+            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+                if hf.get(key) is None and outer.get(key) is not None:
+                    hf[key] = outer[key]
+            weight_prefix = "model.language_model."
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -105,7 +152,16 @@ class ModelConfig:
         heads = int(hf["num_attention_heads"])
         num_layers = int(hf["num_hidden_layers"])
         head_dim = hf.get("head_dim") or hidden // heads
-        if model_type == "qwen3_moe":
+        hybrid: dict[str, Any] = {}
+        if model_type in HYBRID_MODEL_TYPES:
+            hybrid = _hybrid_from_hf(hf, model_type, num_layers, weight_prefix)
+            num_experts = int(hf["num_experts"])
+            moe_layers = hybrid.pop("moe_layers")
+            moe_inter = int(hf["moe_intermediate_size"])
+            norm_topk = hybrid.pop("norm_topk_prob")
+            qk_norm = True
+            sliding = None
+        elif model_type == "qwen3_moe":
             num_experts = int(hf.get("num_experts") or hf.get("num_local_experts"))
             step = int(hf.get("decoder_sparse_step", 1))
             mlp_only = set(hf.get("mlp_only_layers") or [])
@@ -133,7 +189,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
-            intermediate_size=int(hf["intermediate_size"]),
+            intermediate_size=int(hf.get("intermediate_size") or 0),
             moe_intermediate_size=moe_inter,
             num_experts=num_experts,
             num_experts_per_tok=int(hf["num_experts_per_tok"]),
@@ -150,7 +206,47 @@ class ModelConfig:
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
+            **hybrid,
         )
+
+
+def _hybrid_from_hf(hf: dict[str, Any], model_type: str, num_layers: int, weight_prefix: str) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5-MoE fields (transformers' configuration_qwen3_next.py and
+    configuration_qwen3_5_moe.py, including their defaults)."""
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
+        raise ValueError(
+            f"layer_types must list 'full_attention' or 'linear_attention' for each of the {num_layers} layers; "
+            f"got {layer_types}"
+        )
+    if model_type == "qwen3_next":
+        step = int(hf.get("decoder_sparse_step", 1))
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        num_experts = int(hf["num_experts"])
+        moe_layers = tuple((i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+        norm_topk = bool(hf.get("norm_topk_prob", True))
+    else:  # Qwen3.5-MoE: every layer is sparse, top-k always renormalised
+        moe_layers = (True,) * num_layers
+        norm_topk = True
+    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    return dict(
+        moe_layers=moe_layers,
+        norm_topk_prob=norm_topk,
+        layer_types=tuple(layer_types),
+        linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        attn_output_gate=True,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+        norm_unit_offset=True,
+        weight_prefix=weight_prefix,
+    )
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -216,6 +312,8 @@ class EngineConfig:
         max_resident_states: hybrid (linear-attention) models only: how many requests keep
             their conv/recurrent states on the device; the rest wait in host memory and are
             swapped back in before their next forward. None = max_num_seqs.
+        mamba_ssm_cache_dtype: dtype of the linear-attention recurrent state (vLLM's name):
+            "float32" (default), "bfloat16", "float16" or "auto" (the model dtype).
     """
 
     model: str
@@ -235,6 +333,7 @@ class EngineConfig:
     expert_pin_profile: str | None = None
     record_routing: str | None = None
     max_resident_states: int | None = None
+    mamba_ssm_cache_dtype: str = "float32"
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -262,6 +361,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
+        if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"
+            )
         if self.expert_policy not in ("lru", "lfu", "activation"):
             raise ValueError(f"unknown expert policy '{self.expert_policy}'; use lru, lfu or activation")
         if not is_int(self.seed):

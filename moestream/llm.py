@@ -44,6 +44,7 @@ class LLM:
         expert_pin_profile: str | None = None,
         record_routing: str | None = None,
         max_resident_states: int | None = None,
+        mamba_ssm_cache_dtype: str = "float32",
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -63,6 +64,7 @@ class LLM:
                 expert_pin_profile=expert_pin_profile,
                 record_routing=record_routing,
                 max_resident_states=max_resident_states,
+                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
             )
         )
 

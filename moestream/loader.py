@@ -116,8 +116,9 @@ def build_model(
 
 
 def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    gate, up, down = get_model_class(cfg.model_type).expert_names
-    return gate.format(l=layer, e=expert), up.format(l=layer, e=expert), down.format(l=layer, e=expert)
+    names = (n.format(l=layer, e=expert) for n in get_model_class(cfg.model_type).expert_names)
+    prefix = cfg.weight_prefix
+    return tuple(prefix + n[len("model."):] if n.startswith("model.") else n for n in names)  # type: ignore[return-value]
 
 
 def load_resident_experts(

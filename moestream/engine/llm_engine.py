@@ -16,6 +16,7 @@ from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
+from moestream.engine.state_pool import StatePool
 from moestream.experts.planner import plan_experts
 from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
@@ -64,7 +65,7 @@ class LLMEngine:
             )
         model = self._load(mcfg)
         bs = config.block_size
-        block_bytes = kv_block_bytes(mcfg.num_layers, bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         blocks_per_seq = (self.max_model_len + bs - 1) // bs
         budget = config.kv_cache_memory_bytes
         if budget is None:
@@ -77,8 +78,9 @@ class LLMEngine:
                 f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
             )
         kv_cache = KVCacheManager(num_blocks, bs)
-        self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device)
+        self.state_pool = self._make_state_pool(mcfg) if mcfg.is_hybrid else None
+        self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.state_pool)
+        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -97,6 +99,32 @@ class LLMEngine:
                 f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
                 f"prefetch {config.resolved_expert_prefetch}"),
             num_blocks, bs, block_bytes, num_blocks * block_bytes / 2**20, self.max_model_len,
+        )
+        if self.state_pool is not None:
+            pool = self.state_pool
+            logger.info(
+                "hybrid model: KV cache for %d of %d layers (full attention); linear-attention state %.2f MiB per "
+                "request (%d layers, conv %s %s + recurrent %s %s, current + committed copy); %d device slots "
+                "(%.1f MiB), the rest swapped to host",
+                len(mcfg.attention_layers), mcfg.num_layers, pool.bytes_per_request / 2**20, len(mcfg.linear_layers),
+                list(pool.conv_shape), str(pool.conv_dtype).removeprefix("torch."), list(pool.ssm_shape),
+                str(pool.ssm_dtype).removeprefix("torch."), pool.max_resident, pool.device_bytes / 2**20,
+            )
+
+    def _make_state_pool(self, mcfg: ModelConfig) -> StatePool:
+        """Device state slots for `max_resident_states` requests (default max_num_seqs)."""
+        cfg = self.config
+        conv_dim = 2 * mcfg.linear_num_key_heads * mcfg.linear_key_head_dim + (
+            mcfg.linear_num_value_heads * mcfg.linear_value_head_dim
+        )
+        return StatePool(
+            len(mcfg.linear_layers),
+            (conv_dim, mcfg.linear_conv_kernel_dim - 1),
+            (mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim),
+            self.dtype,
+            self.dtype if cfg.mamba_ssm_cache_dtype == "auto" else resolve_dtype(cfg.mamba_ssm_cache_dtype, None),
+            cfg.max_resident_states or cfg.max_num_seqs,
+            self.device,
         )
 
     def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:

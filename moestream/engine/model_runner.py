@@ -1,6 +1,7 @@
 """Batch preparation and the forward pass: turns a SchedulerOutput into flat tensors,
-runs the model over the paged KV cache, and returns the logits of the requests that
-finished computing all their tokens this step (those sample a token)."""
+runs the model over the paged KV cache (and, for hybrid models, the state pool), and
+returns the logits of the requests that finished computing all their tokens this step
+(those sample a token)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,59 @@ import torch
 
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import Request
+from moestream.engine.state_pool import StatePool
 from moestream.layers.attention_backend import AttentionMetadata
+from moestream.layers.gated_delta_net import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors: per layer (k, v), each
-    [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype."""
+    """Owns the model and the KV cache tensors: per full-attention layer (k, v), each
+    [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype. Linear-attention
+    layers have no KV cache; their states are the `state_pool`'s.
 
-    def __init__(self, model: MoEForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    With a state pool, a step's requests run in groups of at most `state_pool.max_resident`
+    (one forward each), their states made resident before each group.
+    """
+
+    def __init__(
+        self,
+        model: MoEForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        state_pool: StatePool | None = None,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
+        self.state_pool = state_pool
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
+            for _ in cfg.attention_layers
         ]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors (all full-attention layers)."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager) -> tuple[list[Request], torch.Tensor]:
         """Run one step. Returns (requests that sample now, their logits [N, V] float32)."""
+        group = len(scheduled) if self.state_pool is None else self.state_pool.max_resident
+        samplers: list[Request] = []
+        logits: list[torch.Tensor] = []
+        for g in range(0, len(scheduled), group):
+            reqs, lg = self._forward(scheduled[g : g + group], kv_cache)
+            samplers += reqs
+            logits.append(lg)
+        return samplers, torch.cat(logits) if len(logits) > 1 else logits[0]
+
+    def _forward(self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager) -> tuple[list[Request], torch.Tensor]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -62,9 +94,16 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=self.block_size,
         )
+        state_caches, state_meta = None, None
+        if self.state_pool is not None:
+            state_slots = self.state_pool.prepare(
+                [r.request_id for r, _ in scheduled], [r.num_computed_tokens == 0 for r, _ in scheduled]
+            )
+            state_caches = self.state_pool.caches()
+            state_meta = StateMetadata(qsl, state_slots, torch.tensor(state_slots, dtype=torch.int64, device=dev))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [T, H]
+        hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta)  # [T, H]
         if not samplers:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import Request, RequestStatus
+from moestream.engine.state_pool import StatePool
 
 
 @dataclass
@@ -31,10 +32,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the KV block manager."""
+    """Owns the waiting queue, the running list and the KV block manager. With a hybrid
+    model's `state_pool`, a preempted or finished request's linear-attention state is
+    dropped along with its blocks."""
 
-    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        state_pool: StatePool | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -80,8 +90,13 @@ class Scheduler:
             budget -= n
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _free(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)
+        if self.state_pool is not None:
+            self.state_pool.free(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -95,4 +110,4 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv_cache.free(req.request_id)
+        self._free(req)

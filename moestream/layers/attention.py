@@ -1,7 +1,9 @@
 """GQA self-attention with optional q/k RMSNorm (Qwen3) over a paged KV cache.
 
-Follows transformers' Qwen3MoeAttention / MixtralAttention; the KV cache and the
-attention math live in the backend (`attention_backend.py`).
+Follows transformers' Qwen3MoeAttention / MixtralAttention, and Qwen3NextAttention's
+gated form (`output_gate`: q_proj gives [query | gate] per head and the output is
+multiplied by sigmoid(gate) before o_proj). The KV cache and the attention math live in
+the backend (`attention_backend.py`).
 """
 
 from __future__ import annotations
@@ -29,16 +31,19 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         sliding_window: int | None,
+        output_gate: bool = False,
+        norm_unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.output_gate = output_gate
+        self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
         self.rotary = rotary
@@ -54,11 +59,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        gate = None
+        if self.output_gate:
+            q, gate = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
+        else:
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hk, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        o = o.reshape(t, self.num_heads * self.head_dim)  # [T, Hq * D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)

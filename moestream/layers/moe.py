@@ -3,6 +3,8 @@
 Routing follows transformers' Qwen3MoeTopKRouter / MixtralTopKRouter (softmax in float32,
 top-k, optional renormalisation). Experts run grouped: the (token, k) pairs are sorted by
 expert id and only experts that received tokens run, each on its contiguous slice.
+Qwen3-Next / Qwen3.5-MoE add a dense shared expert scaled by sigmoid(shared_expert_gate(x))
+(transformers' Qwen3NextSparseMoeBlock).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from torch import nn
 
 from moestream.experts.interface import ExpertStore
 from moestream.layers.linear import Linear
+from moestream.layers.mlp import GatedMLP
 
 
 class SparseMoE(nn.Module):
-    """forward(x [T, H]) -> [T, H]. Routed weights come from `store.ensure(layer_idx, ids)`."""
+    """forward(x [T, H]) -> [T, H]. Routed weights come from `store.ensure(layer_idx, ids)`;
+    a shared expert of `shared_intermediate_size` (> 0) is resident and always applied."""
 
     def __init__(
         self,
@@ -26,9 +30,15 @@ class SparseMoE(nn.Module):
         norm_topk_prob: bool,
         layer_idx: int,
         store: ExpertStore,
+        shared_intermediate_size: int = 0,
     ) -> None:
         super().__init__()
         self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: Linear | None = None
+        if shared_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
         self.store = store
@@ -68,7 +78,10 @@ class SparseMoE(nn.Module):
                 y = F.linear(F.silu(gate) * up, w.down)  # [n, H]
                 out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
                 start = end
-        return out.to(x.dtype)
+        routed = out.to(x.dtype)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _hint_next_layer(self, x: torch.Tensor) -> None:
         """Gate lookahead: the next MoE layer's router applied to this layer's input."""

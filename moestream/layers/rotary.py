@@ -87,21 +87,38 @@ def _yarn(rope: RopeConfig, dim: int, max_pos: int) -> tuple[torch.Tensor, float
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (rotate-half layout, as HF Llama/Qwen/Mixtral) to q and k.
 
+    With `partial_rotary_factor` < 1 (Qwen3-Next, Qwen3.5), only the first
+    R = int(head_dim * factor) dims of each head rotate; the rest pass through
+    (transformers' glm-style `apply_rotary_pos_emb`).
+
     forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_position_embeddings: int,
+        device: torch.device,
+        partial_rotary_factor: float = 1.0,
+    ) -> None:
         super().__init__()
-        inv_freq, self.scale = rope_inv_freq(rope, head_dim, max_position_embeddings)
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        inv_freq, self.scale = rope_inv_freq(rope, self.rotary_dim, max_position_embeddings)
         # Computed on the CPU explicitly, so that building the model under a meta-device context works.
-        self.inv_freq = inv_freq.to(device)  # [D/2] float32
+        self.inv_freq = inv_freq.to(device)  # [R/2] float32
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, D]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q_rot = q[..., :r] * cos + _rotate_half(q[..., :r]) * sin  # [T, Hq, R]
+        k_rot = k[..., :r] * cos + _rotate_half(k[..., :r]) * sin
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,16 @@
 
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from moestream.models.qwen3_moe import Qwen3MoeForCausalLM
+from moestream.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -1,0 +1,192 @@
+"""StatePool: the per-request states of linear-attention (Gated DeltaNet) layers.
+
+A request's state, for every linear layer, is its conv state [C, K-1] (model dtype) and its
+recurrent state [Hv, Dk, Dv] (float32 by default). Unlike KV blocks it does not grow with the
+sequence, so a request holds one slot for its whole life. At most `max_resident` requests
+keep their slot on the device; the others wait in host memory (pinned on CUDA) and are
+swapped back in, least-recently-used out first, before their next forward. A swapped state
+comes back bit for bit.
+
+Slot s has a second, "committed" copy at index max_resident + s (current vs last
+committed state), so that speculative decoding can roll a request back later.
+
+vLLM keeps these in its Mamba cache (one slot per running request, no host tier); the
+host swap here lets more requests run than device slots hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class StatePool:
+    """Device state slots for `max_resident` requests, plus a host tier for the rest.
+
+    Tensors: per linear layer, conv [2R, C, K-1] and ssm [2R, Hv, Dk, Dv]; rows 0..R-1 are
+    the current states, rows R..2R-1 the committed snapshots.
+
+    Raises (constructor): ValueError if max_resident < 1.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        conv_shape: tuple[int, int],
+        ssm_shape: tuple[int, int, int],
+        conv_dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        max_resident: int,
+        device: torch.device,
+    ) -> None:
+        if max_resident < 1:
+            raise ValueError(f"max_resident_states must be at least 1, got {max_resident}")
+        self.max_resident = max_resident
+        self.device = device
+        self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
+        self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
+        rows = 2 * max_resident
+        self.conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
+        self.ssm = [torch.zeros(rows, *ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
+        self._free: deque[int] = deque(range(max_resident))
+        self._resident: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recent first
+        self._host: dict[str, list[torch.Tensor]] = {}  # request id -> [conv, ssm, conv snap, ssm snap] per layer
+        self._pin = device.type == "cuda"
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+
+    # ---- sizes ----------------------------------------------------------------------
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Bytes of one request's state (current + snapshot) over all linear layers."""
+        conv = torch.Size(self.conv_shape).numel() * torch.tensor([], dtype=self.conv_dtype).element_size()
+        ssm = torch.Size(self.ssm_shape).numel() * torch.tensor([], dtype=self.ssm_dtype).element_size()
+        return 2 * len(self.conv) * (conv + ssm)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.max_resident * self.bytes_per_request
+
+    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(conv, ssm) per linear layer, as the model reads them."""
+        return list(zip(self.conv, self.ssm))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def num_resident(self) -> int:
+        return len(self._resident)
+
+    def num_swapped(self) -> int:
+        return len(self._host)
+
+    def is_resident(self, request_id: str) -> bool:
+        return request_id in self._resident
+
+    def has_state(self, request_id: str) -> bool:
+        return request_id in self._resident or request_id in self._host
+
+    # ---- per step -------------------------------------------------------------------
+
+    def prepare(self, request_ids: list[str], reset: list[bool]) -> list[int]:
+        """Make the states of one forward's requests resident; returns their slots.
+
+        A request with `reset` True (it starts from token 0) gets a zeroed state, so nothing
+        of an earlier occupant of the slot leaks. Others get their state back, swapped in
+        from the host if it was evicted; states of requests not in `request_ids` are evicted
+        least-recently-used first to make room.
+
+        Raises:
+            ValueError: more requests than device slots, or a repeated request id.
+        """
+        if len(request_ids) > self.max_resident:
+            raise ValueError(f"{len(request_ids)} requests in one forward but only {self.max_resident} state slots")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError(f"a request appears twice in one forward: {request_ids}")
+        wanted = set(request_ids)
+        for rid in request_ids:
+            if rid in self._resident:
+                self._resident.move_to_end(rid)
+        slots = []
+        for rid, fresh in zip(request_ids, reset):
+            slot = self._resident.get(rid)
+            if slot is None:
+                slot = self._take_slot(wanted)
+                self._resident[rid] = slot
+                host = self._host.pop(rid, None)
+                if host is not None and not fresh:
+                    self._swap_in(slot, host)
+                else:
+                    self._zero(slot)
+            elif fresh:
+                self._zero(slot)
+            slots.append(slot)
+        return slots
+
+    def free(self, request_id: str) -> None:
+        """Drop `request_id`'s state (finished, aborted or preempted); no-op if it has none."""
+        slot = self._resident.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+        self._host.pop(request_id, None)
+
+    def commit(self, request_id: str) -> None:
+        """Copy the request's current state into its committed snapshot."""
+        s = self._resident[request_id]
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[self.max_resident + s].copy_(conv[s])
+            ssm[self.max_resident + s].copy_(ssm[s])
+
+    def rollback(self, request_id: str) -> None:
+        """Restore the request's current state from its committed snapshot."""
+        s = self._resident[request_id]
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[s].copy_(conv[self.max_resident + s])
+            ssm[s].copy_(ssm[self.max_resident + s])
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _take_slot(self, keep: set[str]) -> int:
+        if self._free:
+            return self._free.popleft()
+        victim = next(rid for rid in self._resident if rid not in keep)  # exists: len(keep) <= max_resident
+        slot = self._resident.pop(victim)
+        self._host[victim] = self._swap_out(slot)
+        return slot
+
+    def _host_copy(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=self._pin)
+        out.copy_(x)
+        return out
+
+    def _swap_out(self, slot: int) -> list[torch.Tensor]:
+        self.num_swap_outs += 1
+        snap = self.max_resident + slot
+        out = []
+        for conv, ssm in zip(self.conv, self.ssm):
+            out += [self._host_copy(conv[slot]), self._host_copy(ssm[slot]),
+                    self._host_copy(conv[snap]), self._host_copy(ssm[snap])]
+        return out
+
+    def _swap_in(self, slot: int, host: list[torch.Tensor]) -> None:
+        self.num_swap_ins += 1
+        snap = self.max_resident + slot
+        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            conv[slot].copy_(host[4 * i], non_blocking=self._pin)
+            ssm[slot].copy_(host[4 * i + 1], non_blocking=self._pin)
+            conv[snap].copy_(host[4 * i + 2], non_blocking=self._pin)
+            ssm[snap].copy_(host[4 * i + 3], non_blocking=self._pin)
+
+    def _zero(self, slot: int) -> None:
+        snap = self.max_resident + slot
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[slot].zero_()
+            ssm[slot].zero_()
+            conv[snap].zero_()
+            ssm[snap].zero_()
