@@ -31,6 +31,26 @@ def model_dir(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 
 
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3_next")), "qwen3_next", seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3_5_moe")), "qwen3_5_moe", seed=3)
+
+
+@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid_dir(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(hybrid_dir: str) -> "HFReference":
+    return HFReference(hybrid_dir)
+
+
 def parity_prompts(vocab_limit: int = 30000, seed: int = 1234) -> list[list[int]]:
     """8 prompts of token ids with lengths 1..40."""
     rng = random.Random(seed)

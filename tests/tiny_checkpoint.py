@@ -1,6 +1,9 @@
-"""Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral) with a real tokenizer.
+"""Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE) with
+a real tokenizer.
 
-Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type mixtral]`.
+Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
+Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
+multimodal one (`qwen3_5_moe_vl`, model_type qwen3_5_moe, with a tiny vision tower).
 """
 
 from __future__ import annotations
@@ -12,7 +15,36 @@ import shutil
 import torch
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tokenizers")
-TOKENIZERS = {"qwen3_moe": "qwen2", "mixtral": "mistral_v1"}
+TOKENIZERS = {
+    "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
+}
+# Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
+HYBRID = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+    linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=512, vocab_size=151936, eos_token_id=151643,
+    bos_token_id=151643, tie_word_embeddings=False,
+)
+
+
+def _hybrid_model(model_type: str, overrides: dict) -> "torch.nn.Module":
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_5_moe import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+    )
+
+    kw = {**HYBRID, **overrides}
+    if model_type == "qwen3_next":
+        cfg = AutoConfig.for_model("qwen3_next", intermediate_size=96, mlp_only_layers=[1], **kw)
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if model_type == "qwen3_5_moe":
+        return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=kw, vision_config=vision))
 
 
 def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int = 0, **overrides: object) -> str:
@@ -22,6 +54,13 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     tok_dir = os.path.join(FIXTURES, TOKENIZERS[model_type])
     common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=512, tie_word_embeddings=False)
+    if model_type in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_vl"):
+        torch.manual_seed(seed)
+        model = _hybrid_model(model_type, overrides)
+        _randomize(model)
+        model.save_pretrained(out_dir)
+        _copy_tokenizer(tok_dir, out_dir)
+        return out_dir
     if model_type == "qwen3_moe":
         kw = dict(vocab_size=151936, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                   num_experts_per_tok=2, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1],
@@ -32,15 +71,26 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     cfg = AutoConfig.for_model(model_type, **{**common, **kw, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # Larger-than-default init so that routing and logits are far from uniform (fewer numerical ties).
+    _randomize(model)
+    model.save_pretrained(out_dir)
+    _copy_tokenizer(tok_dir, out_dir)
+    return out_dir
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Larger-than-default init so that routing and logits are far from uniform (fewer numerical
+    ties); norm weights are perturbed too, so that a zero-centred norm's offset matters."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(out_dir)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _copy_tokenizer(tok_dir: str, out_dir: str) -> None:
     for f in os.listdir(tok_dir):
         shutil.copy(os.path.join(tok_dir, f), out_dir)
-    return out_dir
 
 
 if __name__ == "__main__":

@@ -42,6 +42,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON file {"layer": [expert ids]} of hot experts kept resident')
     x.add_argument("--record-routing", default=None, metavar="FILE",
                    help="record (request, token, layer, expert ids) of every routed token to FILE (.npz)")
+    h = p.add_argument_group("hybrid models (Qwen3-Next, Qwen3.5-MoE)")
+    h.add_argument("--max-resident-states", type=int, default=None,
+                   help="requests whose linear-attention states stay on the device; the rest are swapped to host "
+                        "memory between their forwards (default: max-num-seqs)")
+    h.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the linear-attention recurrent state; auto = the model dtype (default: float32)")
 
 
 def _budget(text: str) -> float | int:
@@ -69,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 expert_budget=args.expert_budget, expert_host_cache_bytes=args.expert_host_cache_bytes,
                 expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
-                expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing)
+                expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
+                max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

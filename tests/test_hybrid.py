@@ -1,0 +1,137 @@
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE): parity with HF float32 for 8 prompts decoded
+together, with forced state swapping (2 device slots for 8 requests), chunked prefill at
+several budgets, paged experts, KV memory only for full-attention layers, and the
+multimodal Qwen3.5-MoE checkpoint layout."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
+from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
+from tiny_checkpoint import make_tiny_checkpoint
+
+from moestream import LLM, ModelConfig, SamplingParams
+from moestream.engine.kv_cache import kv_block_bytes
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_NEW_TOKENS):
+    recs = [LogitsRecorder() for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy_params(r, max_tokens) for r in recs])
+    return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
+
+
+def _check_all(prompts, results, ref: HFReference, label: str) -> ParityReport:
+    report = ParityReport()
+    for i, (prompt, (tokens, rec)) in enumerate(zip(prompts, results)):
+        ref_tokens, ref_logits = ref.generate(prompt)
+        check_parity(tokens, rec.logits, ref_tokens, ref_logits, report, f"{label} prompt {i} (len {len(prompt)})")
+    print(f"{label}: max logit diff {report.max_logit_diff:.2e}, ties {len(report.ties)}")
+    return report
+
+
+def test_batch_decoded_together(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+    prompts = parity_prompts()
+    llm = LLM(hybrid_dir, dtype="float32", max_model_len=128)
+    _check_all(prompts, _generate(llm, prompts), hybrid_reference, "hybrid batch")
+    pool = llm.llm_engine.state_pool
+    assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == pool.max_resident
+
+
+def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+    """2 device state slots for 8 running requests: every step swaps states out and back in."""
+    prompts = parity_prompts()
+    llm = LLM(hybrid_dir, dtype="float32", max_model_len=128, max_resident_states=2)
+    engine = llm.llm_engine
+    recs = [LogitsRecorder() for _ in prompts]
+    for i, (p, r) in enumerate(zip(prompts, recs)):
+        engine.add_request({"prompt_token_ids": p}, greedy_params(r, NUM_NEW_TOKENS), request_id=str(i))
+    pool = engine.state_pool
+    final, steps, swaps_per_step = {}, 0, []
+    while engine.has_unfinished_requests():
+        before = pool.num_swap_ins
+        for out in engine.step():
+            if out.finished:
+                final[int(out.request_id)] = out.outputs[0].token_ids
+        assert pool.num_resident() <= 2
+        swaps_per_step.append(pool.num_swap_ins - before)
+        steps += 1
+    # While all 8 decode (steps 2..~32), each step swaps in at least 6 of them.
+    assert min(swaps_per_step[1:NUM_NEW_TOKENS - 8]) >= 6, swaps_per_step
+    _check_all(prompts, [(final[i], recs[i]) for i in range(8)], hybrid_reference, "swapping")
+    assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_equals_single_shot(qwen3_next_dir: str, budget: int) -> None:
+    prompts = parity_prompts()
+    single = _generate(LLM(qwen3_next_dir, dtype="float32", max_model_len=128), prompts, 8)
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8)
+    chunked = _generate(llm, prompts, 8)
+    for (tok_a, rec_a), (tok_b, rec_b), p in zip(single, chunked, prompts):
+        assert tok_a == tok_b, f"budget {budget}, prompt len {len(p)}: {tok_b} != single-shot {tok_a}"
+        for la, lb in zip(rec_a.logits, rec_b.logits):
+            assert (la - lb).abs().max().item() < 1e-4
+
+
+def test_kv_cache_only_for_full_attention_layers(qwen3_next_dir: str) -> None:
+    mc = ModelConfig.from_hf(qwen3_next_dir)
+    assert mc.linear_layers == [0, 1, 2] and mc.attention_layers == [3]
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20)
+    runner = llm.llm_engine.runner
+    assert len(runner.kv_caches) == 1
+    one_layer = kv_block_bytes(1, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
+    num_blocks = llm.llm_engine.kv_cache.num_blocks
+    assert num_blocks == (1 << 20) // one_layer  # the budget buys blocks of one layer, not four
+    assert runner.kv_cache_bytes == num_blocks * one_layer  # 0 bytes for the 3 linear layers
+    pool = llm.llm_engine.state_pool
+    # conv [2*2*16 + 4*16 = 128, 3] float32 + recurrent [4, 16, 16] float32, 3 layers, 2 copies
+    assert pool.bytes_per_request == 2 * 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+
+
+def test_paged_experts_bit_exact(qwen3_5_moe_dir: str) -> None:
+    prompts = parity_prompts()[:4]
+    # Same state-slot grouping in both runs, so both forwards see the same batch shapes.
+    resident = _generate(LLM(qwen3_5_moe_dir, dtype="float32", max_model_len=128, max_resident_states=3), prompts, 12)
+    llm = LLM(qwen3_5_moe_dir, dtype="float32", max_model_len=128, expert_budget=0.25, max_resident_states=3)
+    paged = _generate(llm, prompts, 12)
+    assert llm.expert_stats()["misses"] > 0
+    for (ta, ra), (tb, rb) in zip(resident, paged):
+        assert ta == tb
+        assert all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits))
+
+
+def test_multimodal_checkpoint_loads_language_model(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """Qwen3_5MoeForConditionalGeneration: decoder under model.language_model., vision skipped."""
+    from transformers import AutoModelForImageTextToText
+
+    d = make_tiny_checkpoint(str(tmp_path / "vl"), "qwen3_5_moe_vl", seed=4)
+    with caplog.at_level(logging.INFO, logger="moestream"):
+        llm = LLM(d, dtype="float32", max_model_len=64)
+    assert any("vision" in r.getMessage() and "model.visual." in r.getMessage() for r in caplog.records)
+    prompt = [11, 523, 77, 9000, 42]
+    ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=10))[0]
+    hf = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert ours.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5_moe"])
+def test_cli_generate_with_two_resident_states(model: str, request: pytest.FixtureRequest, capsys) -> None:
+    from moestream.server.cli import main
+
+    d = request.getfixturevalue(f"{model}_dir")
+    prompts = ["Hello", "def f(x):", "import os"]
+    rc = main(["generate", "--model", d, "--dtype", "float32", "--max-tokens", "6", "--max-model-len", "64",
+               "--max-resident-states", "2", *prompts])
+    out = capsys.readouterr().out
+    assert rc == 0
+    offline = LLM(d, dtype="float32", max_model_len=64).generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    for p, o in zip(prompts, offline):
+        assert f"--- prompt: {p!r}\n{p}{o.outputs[0].text}\n" in out
+    assert main(["generate", "--model", d, "--max-resident-states", "0", "Hi"]) == 2
+    assert "max_resident_states must be a positive integer" in capsys.readouterr().err

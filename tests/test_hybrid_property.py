@@ -1,0 +1,81 @@
+"""Property test on a hybrid model (hypothesis): random arrivals, aborts, chunked prefill and
+preemptions (a 6-block KV pool, 2 device state slots). Afterwards no KV block or state slot
+is held, and every request that ran to the end produced what it produces alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moestream import LLM, SamplingParams
+from moestream.engine.kv_cache import kv_block_bytes
+
+PROMPTS = [[5 + i * 7 + j for j in range(n)] for i, n in enumerate((3, 11, 17, 1, 25, 8))]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def engine_and_solo(qwen3_next_dir: str):
+    block = kv_block_bytes(1, 16, 2, 16, torch.float32)
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=64, kv_cache_memory_bytes=6 * block,
+              max_num_batched_tokens=16, max_resident_states=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    solo = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    return llm.llm_engine, solo
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    arrivals=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 8)), min_size=1, max_size=6),
+    aborts=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10)), max_size=2),
+)
+def test_random_schedules_leak_nothing_and_do_not_change_outputs(engine_and_solo, arrivals, aborts) -> None:
+    engine, solo = engine_and_solo
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    pending = sorted(((step, i, f"r{n}") for n, (i, step) in enumerate(arrivals)), key=lambda x: x[0])
+    abort_at = {}
+    for n, step in aborts:
+        if n < len(arrivals):
+            abort_at.setdefault(step, []).append(f"r{n}")
+    prompt_of, finished, aborted = {}, {}, set()
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, i, rid = pending.pop(0)
+            engine.add_request({"prompt_token_ids": PROMPTS[i]}, params, request_id=rid)
+            prompt_of[rid] = i
+        for rid in abort_at.get(step, []):
+            if engine.abort_request(rid) is not None:
+                aborted.add(rid)
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                finished[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        assert step < 500, "the engine made no progress"
+    pool = engine.state_pool
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
+    assert not engine.requests
+    for rid, tokens in finished.items():
+        assert tokens == solo[prompt_of[rid]], f"{rid} (prompt {prompt_of[rid]}) changed with company"
+    assert set(finished) | aborted == set(prompt_of)
+
+
+def test_preemption_happens_in_this_setup(engine_and_solo) -> None:
+    """The 6-block pool does force preemption with all prompts at once (so the property test
+    exercises it)."""
+    engine, solo = engine_and_solo
+    before = engine.scheduler.num_preemptions
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request({"prompt_token_ids": p}, params, request_id=f"all{i}")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions > before
+    assert [done[f"all{i}"] for i in range(len(PROMPTS))] == solo
+    assert engine.state_pool.num_free_slots == 2 and engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
