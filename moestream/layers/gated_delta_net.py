@@ -22,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestream.layers.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from moestream.layers.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 from moestream.layers.linear import Linear
 from moestream.layers.norm import GatedRMSNorm
 
