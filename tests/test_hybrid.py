@@ -135,3 +135,38 @@ def test_cli_generate_with_two_resident_states(model: str, request: pytest.Fixtu
         assert f"--- prompt: {p!r}\n{p}{o.outputs[0].text}\n" in out
     assert main(["generate", "--model", d, "--max-resident-states", "0", "Hi"]) == 2
     assert "max_resident_states must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_failed_step_recomputes_part_updated_states(qwen3_next_dir: str) -> None:
+    """A forward that raises after some linear layers updated their states must not leave
+    those states advanced: the engine recomputes the step's requests, output unchanged."""
+    prompts = parity_prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in LLM(qwen3_next_dir, dtype="float32", max_model_len=64).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)]
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=64)
+    engine = llm.llm_engine
+    calls = {"n": 0}
+
+    def fail_once(module, args, output):  # layer 2 (GDN) runs after layers 0 and 1 updated their states
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected failure")
+
+    handle = engine.runner.model.model.layers[2].register_forward_hook(fail_once)
+    for i, p in enumerate(prompts):
+        engine.add_request({"prompt_token_ids": p}, params, request_id=str(i))
+    final, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            failures += 1
+            continue
+        for out in outs:
+            if out.finished:
+                final[int(out.request_id)] = out.outputs[0].token_ids
+    handle.remove()
+    assert failures == 1
+    assert [final[i] for i in range(4)] == want

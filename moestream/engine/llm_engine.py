@@ -276,14 +276,22 @@ class LLMEngine:
                 [r.request_id for r, n in sched.scheduled for _ in range(n)],
                 [p for r, n in sched.scheduled for p in range(r.num_computed_tokens, r.num_computed_tokens + n)],
             )
-        samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
-        result = self.sampler(
-            logits,
-            [r.sampling_params for r in samplers],
-            [r.prompt_token_ids for r in samplers],
-            [r.output_token_ids for r in samplers],
-            [r.generator for r in samplers],
-        ) if samplers else None
+        try:
+            samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
+            result = self.sampler(
+                logits,
+                [r.sampling_params for r in samplers],
+                [r.prompt_token_ids for r in samplers],
+                [r.output_token_ids for r in samplers],
+                [r.generator for r in samplers],
+            ) if samplers else None
+        except Exception:
+            if self.state_pool is not None:
+                # Rewriting KV slots is idempotent, advancing a recurrent state is not: the
+                # step's linear-attention states may be part-updated, so recompute them.
+                for req, _ in sched.scheduled:
+                    self.scheduler.reset_request(req)
+            raise
         # Only now, with nothing left that can fail, does the step's progress count.
         for req, n in sched.scheduled:
             req.num_computed_tokens += n

@@ -103,6 +103,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def reset_request(self, req: Request) -> None:
+        """Drop `req`'s computed tokens (blocks and state) so that it is recomputed from token 0;
+        it keeps its place in the queues."""
+        self._free(req)
+        req.num_computed_tokens = 0
+
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Mark `req` finished with `status`, remove it from the queues and free its blocks."""
         req.status = status
