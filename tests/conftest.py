@@ -70,3 +70,34 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_reference(model_dir: str) -> HFReference:
     return HFReference(model_dir)
+
+
+SERVED_MODEL = "tiny-qwen3-moe"
+API_KEY = "test-key"
+SERVER_MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="session")
+def live_server(qwen3_moe_dir: str):  # -> live_server.LiveServer
+    """A live server (real uvicorn, 127.0.0.1, free port) over the tiny Qwen3-MoE, float32,
+    with an API key and a 64 KiB body limit."""
+    from live_server import LiveServer
+
+    from moestream.config import EngineConfig
+    from moestream.server.serving import ServerConfig
+
+    server = LiveServer(
+        EngineConfig(model=qwen3_moe_dir, dtype="float32", max_model_len=SERVER_MAX_MODEL_LEN, max_num_seqs=64),
+        ServerConfig(served_model_names=(SERVED_MODEL, "alias"), api_key=API_KEY, max_request_body_bytes=64 << 10,
+                     max_waiting_requests=256),
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(qwen3_moe_dir: str):  # -> moestream.LLM
+    """The offline LLM over the same checkpoint and settings as `live_server`."""
+    from moestream import LLM
+
+    return LLM(model=qwen3_moe_dir, dtype="float32", max_model_len=SERVER_MAX_MODEL_LEN)
