@@ -65,8 +65,6 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return APIError(400, "Invalid request body.")
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"The body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}.")
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, ParamError):
         return APIError(400, str(cause), param=cause.param)

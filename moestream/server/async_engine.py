@@ -295,12 +295,19 @@ class AsyncLLMEngine:
                 if isinstance(prompt, str) and not cmd.add_special_tokens:
                     prompt = {"prompt": prompt,
                               "prompt_token_ids": engine.tokenizer.encode(prompt, add_special_tokens=False)}
-                engine.tokenize_prompt(prompt)
+                text, ids = engine.tokenize_prompt(prompt)  # tokenized once, here
                 if rid in engine.requests:
                     raise ValueError(f"request id '{rid}' is already in flight")
-                items.append((rid, prompt, params))
-            for rid, prompt, params in items:
-                engine.add_request(prompt, params, rid)
+                items.append((rid, {"prompt": text, "prompt_token_ids": ids}, params))
+            added = []
+            try:
+                for rid, prompt, params in items:
+                    engine.add_request(prompt, params, rid)
+                    added.append(rid)
+            except BaseException:
+                for rid in added:  # all or none
+                    engine.abort_request(rid)
+                raise
         except ValueError as e:
             cmd.done.set_exception(e)
         except Exception as e:
