@@ -12,30 +12,31 @@ import httpx
 import openai
 import pytest
 from conftest import API_KEY, SERVED_MODEL
+from live_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from moestream import SamplingParams
+from moestream import LLM, SamplingParams
 
 PROMPTS = ["Hello, my name is", "def add(a, b):", "The capital of France is", "import numpy as np\n"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
 
 
-def client(server) -> openai.OpenAI:  # noqa: ANN001 - a LiveServer
+def client(server: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-def async_client(server) -> openai.AsyncOpenAI:  # noqa: ANN001
+def async_client(server: LiveServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
-def chat_prompt(llm, messages: list[dict]) -> dict:  # noqa: ANN001 - an LLM
+def chat_prompt(llm: LLM, messages: list[dict]) -> dict:
     """The offline prompt of a chat: the tokenizer's template, tokenized without extra specials."""
     tok = llm.get_tokenizer()
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
-def metric_samples(server) -> dict[tuple[str, tuple], float]:  # noqa: ANN001
+def metric_samples(server: LiveServer) -> dict[tuple[str, tuple], float]:
     """/metrics parsed with prometheus-client's parser: (sample name, sorted labels) -> value."""
     r = server.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -43,7 +44,7 @@ def metric_samples(server) -> dict[tuple[str, tuple], float]:  # noqa: ANN001
             for family in text_string_to_metric_families(r.text) for s in family.samples}
 
 
-def test_completions_match_offline(live_server, offline_llm) -> None:
+def test_completions_match_offline(live_server: LiveServer, offline_llm: LLM) -> None:
     ref = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
     c = client(live_server)
     for prompt, r in zip(PROMPTS, ref):
@@ -71,7 +72,7 @@ def test_completions_match_offline(live_server, offline_llm) -> None:
     assert out.choices[0].text == ref[1].outputs[0].text
 
 
-def test_chat_matches_offline(live_server, offline_llm) -> None:
+def test_chat_matches_offline(live_server: LiveServer, offline_llm: LLM) -> None:
     r = offline_llm.generate(chat_prompt(offline_llm, MESSAGES), SamplingParams(temperature=0, max_tokens=10))[0]
     c = client(live_server)
     out = c.chat.completions.create(model=SERVED_MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
@@ -93,7 +94,7 @@ def test_chat_matches_offline(live_server, offline_llm) -> None:
     assert out.choices[0].message.content == r.outputs[0].text
 
 
-def test_n_seed_and_vllm_extras_match_offline(live_server, offline_llm) -> None:
+def test_n_seed_and_vllm_extras_match_offline(live_server: LiveServer, offline_llm: LLM) -> None:
     kw = dict(temperature=0.9, top_p=0.95, top_k=50, min_p=0.01, repetition_penalty=1.2, max_tokens=10)
     c = client(live_server)
     out = c.completions.create(model=SERVED_MODEL, prompt=PROMPTS[0], n=3, seed=7, temperature=0.9, top_p=0.95,
@@ -115,7 +116,7 @@ def test_n_seed_and_vllm_extras_match_offline(live_server, offline_llm) -> None:
     assert out.usage.completion_tokens == 2 * len(r.outputs[0].token_ids)
 
 
-def test_stop_and_logprobs_match_offline(live_server, offline_llm) -> None:
+def test_stop_and_logprobs_match_offline(live_server: LiveServer, offline_llm: LLM) -> None:
     c = client(live_server)
     full = offline_llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     text = full.outputs[0].text
@@ -155,7 +156,7 @@ def test_stop_and_logprobs_match_offline(live_server, offline_llm) -> None:
         assert all(x.bytes == list(x.token.encode()) for x in content)
 
 
-def test_models_health_version(live_server) -> None:
+def test_models_health_version(live_server: LiveServer) -> None:
     models = client(live_server).models.list()
     assert [m.id for m in models.data] == [SERVED_MODEL, "alias"]
     assert live_server.get("/health").status_code == 200
@@ -164,7 +165,7 @@ def test_models_health_version(live_server) -> None:
     assert live_server.get("/version").json() == {"version": __version__}
 
 
-def test_64_concurrent_streams_match_offline_and_free_every_block(live_server, offline_llm) -> None:
+def test_64_concurrent_streams_match_offline_and_free_every_block(live_server: LiveServer, offline_llm: LLM) -> None:
     prompts = [f"Request {i}: " + PROMPTS[i % len(PROMPTS)] * (1 + i % 3) for i in range(64)]
     ref = [o.outputs[0].text for o in offline_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
     live_server.wait_idle()
@@ -199,7 +200,7 @@ def test_64_concurrent_streams_match_offline_and_free_every_block(live_server, o
     assert live_server.engine.kv_cache.num_free_blocks == free_at_start == live_server.engine.kv_cache.num_blocks
 
 
-def test_disconnected_clients_are_aborted_and_others_unchanged(live_server, offline_llm) -> None:
+def test_disconnected_clients_are_aborted_and_others_unchanged(live_server: LiveServer, offline_llm: LLM) -> None:
     prompts = [f"Client {i} says " + PROMPTS[i % len(PROMPTS)] for i in range(30)]
     leavers = {i for i in range(30) if i % 5 == 0}  # 20%
     ref = offline_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
@@ -244,7 +245,7 @@ def test_disconnected_clients_are_aborted_and_others_unchanged(live_server, offl
     assert len(leavers) * 2 <= leaver_tokens < len(leavers) * 100
 
 
-def test_metrics_count_what_was_sent(live_server, offline_llm) -> None:
+def test_metrics_count_what_was_sent(live_server: LiveServer, offline_llm: LLM) -> None:
     live_server.wait_idle()
     before = metric_samples(live_server)
     c = client(live_server)
@@ -285,7 +286,7 @@ def test_metrics_count_what_was_sent(live_server, offline_llm) -> None:
     assert after[("moestream:expert_bytes_read_total", (("tier", "disk"),))] == 0
 
 
-def test_api_key_is_required_on_v1_only(live_server) -> None:
+def test_api_key_is_required_on_v1_only(live_server: LiveServer) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         r = live_server.post("/v1/completions", json={"model": SERVED_MODEL, "prompt": "hi"}, headers=headers)
         assert r.status_code == 401
@@ -299,7 +300,7 @@ def test_api_key_is_required_on_v1_only(live_server) -> None:
     assert live_server.get("/metrics").status_code == 200
 
 
-def test_cancelled_non_streaming_request_is_aborted(live_server) -> None:
+def test_cancelled_non_streaming_request_is_aborted(live_server: LiveServer) -> None:
     live_server.wait_idle()
     aborted = metric_samples(live_server).get(("moestream:request_success_total", (("finished_reason", "abort"),)), 0)
     body = {"model": SERVED_MODEL, "prompt": PROMPTS[0], "max_tokens": 120, "ignore_eos": True}

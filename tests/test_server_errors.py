@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from live_server import LiveServer
 
-from moestream import SamplingParams
+from moestream import LLM, SamplingParams
 from moestream.config import EngineConfig
 from moestream.server.serving import ServerConfig
 
@@ -79,7 +81,7 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize("path, body, status, param, code, fragment", BAD_REQUESTS,
                          ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD_REQUESTS)])
-def test_bad_request_has_status_and_openai_error(live_server, path: str, body: dict, status: int, param: str,
+def test_bad_request_has_status_and_openai_error(live_server: LiveServer, path: str, body: dict, status: int, param: str,
                                                  code: str | None, fragment: str) -> None:
     error = assert_openai_error(live_server.post(path, json=body, headers=AUTH), status)
     assert error["param"] == param and error["code"] == code
@@ -87,8 +89,9 @@ def test_bad_request_has_status_and_openai_error(live_server, path: str, body: d
     assert fragment in error["message"]
 
 
-def test_malformed_bodies_routes_and_sizes(live_server) -> None:
-    for raw in (b"{not json", b"[1, 2]", b"", b'"prompt"', b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000):
+def test_malformed_bodies_routes_and_sizes(live_server: LiveServer) -> None:
+    deep = b'{"prompt": ' + b"[" * 30_000 + b"]" * 30_000 + b"}"  # nested past Python's recursion limit
+    for raw in (b"{not json", b"[1, 2]", b"", b'"prompt"', b"\xff\xfe", deep, b"[" * 100_000 + b"]" * 100_000):
         if len(raw) > live_server.config.max_request_body_bytes:
             error = assert_openai_error(live_server.post("/v1/completions", content=raw, headers=AUTH), 413)
             assert error["code"] == "request_too_large"
@@ -99,7 +102,7 @@ def test_malformed_bodies_routes_and_sizes(live_server) -> None:
     error = assert_openai_error(live_server.post("/v1/completions", json=big, headers=AUTH), 413)
     assert error["code"] == "request_too_large" and str(64 << 10) in error["message"]
 
-    def chunks():  # no Content-Length: the limit is enforced while reading
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is enforced while reading
         for _ in range(80):
             yield b"x" * 1024
 
@@ -156,7 +159,7 @@ def malformed(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json.dumps({**extras, **base, field: draw(INVALID[field])}).encode()
 
 
-def test_200_malformed_bodies_leave_the_server_healthy(live_server) -> None:
+def test_200_malformed_bodies_leave_the_server_healthy(live_server: LiveServer) -> None:
     with httpx.Client(base_url=live_server.base_url, headers=AUTH, timeout=30) as http:
 
         @settings(max_examples=200, deadline=None, derandomize=True,
@@ -178,7 +181,7 @@ def test_200_malformed_bodies_leave_the_server_healthy(live_server) -> None:
 
 
 @pytest.fixture(scope="module")
-def small_server(qwen3_moe_dir: str, tmp_path_factory: pytest.TempPathFactory):
+def small_server(qwen3_moe_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One sequence at a time, one waiting request at most, half the experts paged; the
     checkpoint's tokenizer without its chat template."""
     d = tmp_path_factory.mktemp("no_chat_template")
@@ -192,7 +195,7 @@ def small_server(qwen3_moe_dir: str, tmp_path_factory: pytest.TempPathFactory):
     server.stop()
 
 
-def test_too_many_waiting_requests_get_503(small_server) -> None:
+def test_too_many_waiting_requests_get_503(small_server: LiveServer) -> None:
     url = small_server.base_url + "/v1/completions"
     body = {"model": "small", "prompt": "Hello", "temperature": 0}
 
@@ -223,7 +226,7 @@ def test_too_many_waiting_requests_get_503(small_server) -> None:
     assert error["code"] == "engine_overloaded"
 
 
-def test_chat_without_template_and_paged_expert_metrics(small_server) -> None:
+def test_chat_without_template_and_paged_expert_metrics(small_server: LiveServer) -> None:
     r = small_server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     error = assert_openai_error(r, 400)
     assert error["param"] == "messages" and "no chat template" in error["message"]
@@ -249,7 +252,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_finishes_the_in_flight_request_then_exits_0(qwen3_moe_dir: str, offline_llm, tmp_path) -> None:
+def test_sigterm_finishes_the_in_flight_request_then_exits_0(qwen3_moe_dir: str, offline_llm: LLM,
+                                                             tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
     port = _free_port()

@@ -15,6 +15,8 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any
@@ -297,9 +299,6 @@ class _Server(uvicorn.Server):
 
     @contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
-        import signal
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             yield
             return

@@ -20,13 +20,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from moestream.engine.llm_engine import LLMEngine, PromptType
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ class OutputObserver(Protocol):
 
 @dataclass
 class _Add:
+    """Queue `items` (request id, prompt, params) all or none; `done` gets the outcome."""
+
     items: list[tuple[str, PromptType, SamplingParams]]
     add_special_tokens: bool
     done: concurrent.futures.Future
@@ -73,11 +78,13 @@ class _Add:
 
 @dataclass
 class _Abort:
+    """Abort these engine requests (unknown or finished ones are skipped)."""
+
     request_ids: list[str]
 
 
 class _Stop:
-    pass
+    """Abort what is in flight and end the engine thread."""
 
 
 class RequestStream:
@@ -128,7 +135,8 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
 
     @property
-    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase (read-only use: chat templates)
+    def tokenizer(self) -> "PreTrainedTokenizerBase":
+        """The engine's tokenizer; outside the engine thread, only for chat templates (no encoding)."""
         return self.engine.tokenizer
 
     @property
@@ -235,7 +243,7 @@ class AsyncLLMEngine:
 
     # ---- engine thread --------------------------------------------------------------
 
-    def _post(self, fn, *args) -> None:  # noqa: ANN001 - a callable and its arguments
+    def _post(self, fn: Callable[..., None], *args: object) -> None:
         """Run fn(*args) on the event loop (dropped if the loop is closed)."""
         try:
             self._loop.call_soon_threadsafe(fn, *args)

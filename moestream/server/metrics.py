@@ -115,6 +115,7 @@ class ServerMetrics:
         self.requests.labels("abort").inc(num_requests)
 
     def on_http_response(self, path: str, status: int) -> None:
+        """Count one HTTP response of `status` on route `path` ("other" for unknown paths)."""
         self.http.labels(path, str(status)).inc()
 
     def render(self) -> bytes:

@@ -32,10 +32,14 @@ class ParamError(ValueError):
 
 
 class _Request(BaseModel):
+    """Base of request bodies: strict types, unknown fields ignored, no inf/nan."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
+    """`stream_options`: `include_usage` adds a last chunk with the usage (empty choices)."""
+
     include_usage: bool = False
 
 
@@ -127,11 +131,15 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(_Request):
+    """A text part of a chat message's content (the only part type supported)."""
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(_Request):
+    """One chat message; `content` is a string or a list of text parts."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -178,12 +186,16 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class UsageInfo(BaseModel):
+    """Token counts: each prompt once, every choice's completion tokens."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
 class CompletionLogProbs(BaseModel):
+    """Completion logprobs, one entry per output token (natural logs; offsets in characters)."""
+
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
@@ -191,6 +203,8 @@ class CompletionLogProbs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One choice of a completion (or its delta, in a streamed chunk)."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -199,6 +213,8 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
+    """A completion, or one streamed chunk of it."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -208,25 +224,35 @@ class CompletionResponse(BaseModel):
 
 
 class TopLogprob(BaseModel):
+    """A token, its natural-log probability and its UTF-8 bytes."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class ChatTokenLogprob(TopLogprob):
+    """A sampled token's logprob and the most likely alternatives at its position."""
+
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per output token."""
+
     content: list[ChatTokenLogprob] | None = None
 
 
 class ChatResponseMessage(BaseModel):
+    """The assistant message of a chat choice."""
+
     role: str = "assistant"
     content: str | None = None
 
 
 class ChatChoice(BaseModel):
+    """One choice of a chat completion."""
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
@@ -235,6 +261,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
+    """A chat completion."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -244,11 +272,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """What a streamed chat chunk adds to a choice's message."""
+
     role: str | None = None
     content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):
+    """One choice's delta in a streamed chat chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -257,6 +289,8 @@ class ChatStreamChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One streamed chat chunk."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -266,6 +300,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """A served model name, as /v1/models lists it (`root`: the checkpoint directory)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -275,11 +311,15 @@ class ModelCard(BaseModel):
 
 
 class ModelList(BaseModel):
+    """The answer of /v1/models."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
 class ErrorInfo(BaseModel):
+    """The inside of OpenAI's error body; `param` names the offending field, if any."""
+
     message: str
     type: str
     param: str | None = None
