@@ -274,7 +274,7 @@ def test_sigterm_finishes_the_in_flight_request_then_exits_0(qwen3_moe_dir: str,
             except httpx.TransportError:
                 time.sleep(0.1)
         messages = [{"role": "user", "content": "Say something long."}]
-        body = {"model": "m", "messages": messages, "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+        body = {"model": "m", "messages": messages, "max_tokens": 64, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         events = []
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
@@ -295,10 +295,10 @@ def test_sigterm_finishes_the_in_flight_request_then_exits_0(qwen3_moe_dir: str,
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
-    assert chunks[-1]["usage"]["completion_tokens"] == 100
+    assert chunks[-1]["usage"]["completion_tokens"] == 64
     prompt = "<user>Say something long.\n<assistant>"
     ids = offline_llm.get_tokenizer().encode(prompt, add_special_tokens=False)
-    ref = offline_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    ref = offline_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     assert text == ref[0].outputs[0].text
     assert chunks[-1]["usage"]["prompt_tokens"] == len(ids)
     assert "Shutting down" in log and "Waiting for connections to close" in log
