@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
+from live_server import LiveServer
 from tiny_checkpoint import make_tiny_checkpoint
+
+from moestream import LLM, EngineConfig
+from moestream.server.serving import ServerConfig
 
 # Mixtral's fixture sets a sliding window shorter than prompt + output, so the window matters.
 MIXTRAL_SLIDING_WINDOW = 24
@@ -90,3 +95,27 @@ class HFReference:
 @pytest.fixture(scope="session")
 def hf_reference(model_dir: str) -> HFReference:
     return HFReference(model_dir)
+
+
+SERVED_MODEL = "tiny-qwen3-moe"
+API_KEY = "test-key"
+SERVER_MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="session")
+def live_server(qwen3_moe_dir: str) -> Iterator[LiveServer]:
+    """A live server (real uvicorn, 127.0.0.1, free port) over the tiny Qwen3-MoE, float32,
+    with an API key and a 64 KiB body limit."""
+    server = LiveServer(
+        EngineConfig(model=qwen3_moe_dir, dtype="float32", max_model_len=SERVER_MAX_MODEL_LEN, max_num_seqs=64),
+        ServerConfig(served_model_names=(SERVED_MODEL, "alias"), api_key=API_KEY, max_request_body_bytes=64 << 10,
+                     max_waiting_requests=256),
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(qwen3_moe_dir: str) -> LLM:
+    """The offline LLM over the same checkpoint and settings as `live_server`."""
+    return LLM(model=qwen3_moe_dir, dtype="float32", max_model_len=SERVER_MAX_MODEL_LEN)

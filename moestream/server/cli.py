@@ -1,13 +1,17 @@
-"""The `moestream` command line: `moestream generate ...` (and `serve` in a later issue)."""
+"""The `moestream` command line: `moestream generate ...`, `moestream serve ...` (the
+OpenAI-compatible HTTP server) and `moestream trace-sim ...`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from moestream import __version__
+
+DEMO_MODEL_NAME = "moestream-demo"
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
     add_engine_args(gen)
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /version, /metrics. "
+                                     "SIGINT or SIGTERM stops it gracefully: in-flight requests finish, then it exits 0.")
+    srv.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                     help="Hugging Face checkpoint directory; same as --model (default: the built-in demo model)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1/* requests (default: no key)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="model name(s) clients pass as 'model'; responses carry the first "
+                          f"(default: MODEL_DIR as given, or '{DEMO_MODEL_NAME}' for the demo model)")
+    srv.add_argument("--chat-template", default=None,
+                     help="Jinja chat template (a file, or the template itself) overriding the tokenizer's")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="answer 503 when more engine requests than this (n choices count n) would be waiting "
+                          "for their first token (default: 1024)")
+    srv.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
+                     help="answer 413 to larger request bodies (default: 10485760)")
+    srv.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="uvicorn's log level (default: info)")
+    add_engine_args(srv)
     sim = sub.add_parser("trace-sim", add_help=False,
                          help="replay a routing trace against each eviction policy and Belady's optimum "
                               "(see `moestream trace-sim --help`)")
@@ -112,11 +140,49 @@ def main(argv: list[str] | None = None) -> int:
 
         return trace_sim_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+    verbose = getattr(args, "verbose", False) or args.command == "serve"
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Load the engine, then serve until SIGINT/SIGTERM. Returns 0 after a graceful stop,
+    2 on a bad flag or model."""
+    from moestream.config import EngineConfig
+    from moestream.engine.llm_engine import LLMEngine
+    from moestream.server.api import build_app, make_server
+    from moestream.server.serving import ServerConfig
+
+    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+        print(f"error: MODEL_DIR '{args.model_dir}' and --model '{args.model}' differ; give one", file=sys.stderr)
+        return 2
+    if args.model_dir is not None:
+        args.model = args.model_dir
+    try:
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+        chat_template = args.chat_template
+        if chat_template is not None and os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        names = tuple(args.served_model_name or [args.model if args.model is not None else DEMO_MODEL_NAME])
+        config = ServerConfig(served_model_names=names, api_key=args.api_key,
+                              max_request_body_bytes=args.max_request_body_bytes,
+                              max_waiting_requests=args.max_waiting_requests, chat_template=chat_template)
+        engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger(__name__).info("serving %s as %s on http://%s:%d/v1", engine.config.model,
+                                     ", ".join(names), args.host, args.port)
+    make_server(build_app(engine, config), args.host, args.port, args.uvicorn_log_level).run()
+    engine.save_routing_trace()
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -1,0 +1,318 @@
+"""The OpenAI-compatible FastAPI app (as vLLM's entrypoints/openai/api_server.py) and its
+uvicorn runner.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health,
+/version, /metrics. Every error is answered in OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, with its status: 400 (validation, the
+field named), 401 (API key), 404 (model or route), 405, 413 (body too large), 503
+(too many waiting requests), and 500 only for a server fault, never for bad input.
+A client that disconnects or cancels has its engine requests aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from contextlib import asynccontextmanager, contextmanager, suppress
+from typing import Any
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from moestream import __version__
+from moestream.engine.llm_engine import LLMEngine
+from moestream.server.async_engine import AsyncLLMEngine
+from moestream.server.metrics import ServerMetrics
+from moestream.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ParamError,
+)
+from moestream.server.serving import APIError, ServerConfig
+from moestream.server.serving_chat import OpenAIServingChat
+from moestream.server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """`error` as OpenAI's error JSON with its status."""
+    body = ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code))
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 naming the first offending field (e.g. "temperature: Input should be ...") of
+    pydantic's `errors()`."""
+    if not errors:
+        return APIError(400, "Invalid request body.")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, ParamError):
+        return APIError(400, str(cause), param=cause.param)
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    message = f"{where}: {first.get('msg', 'invalid value')}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, message, param=param)
+
+
+class _GuardMiddleware:
+    """ASGI middleware in front of the routes: the API key (401) on /v1/*, the body-size
+    limit (413, read before the app sees the body), and the HTTP response counter."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.on_http_response(path, message["status"])
+            await send(message)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = self.config.api_key
+        if key is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                error = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                                 code="invalid_api_key")
+                await error_response(error)(scope, receive, counting_send)
+                return
+        limit = self.config.max_request_body_bytes
+        too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
+                             code="request_too_large")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            await error_response(too_large)(scope, receive, counting_send)
+            return
+        body = bytearray()
+        more = scope["method"] not in ("GET", "HEAD")
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await error_response(too_large)(scope, receive, counting_send)
+                return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: blocks until the client disconnects
+
+        await self.app(scope, replay, counting_send)
+
+
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects (whatever the ASGI
+    spec version), then call `on_close` however the response ended."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-send
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The JSON body validated as `model` (whatever the Content-Type, as OpenAI's API).
+
+    Raises:
+        APIError: 400 for a body that is not JSON or does not validate (the field named).
+    """
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"The body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    except RecursionError:
+        raise APIError(400, "The body is nested too deeply.") from None
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and so aborting its engine requests) if the client
+    disconnects first. Returns its result, or None after a disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `engine`. The engine thread starts and stops with the app's
+    lifespan; the app has its own metrics registry (`app.state.metrics`) and its
+    `AsyncLLMEngine` is `app.state.engine`."""
+    metrics = ServerMetrics()
+    async_engine = AsyncLLMEngine(engine, metrics)
+    metrics.bind(lambda: async_engine.snapshot, lambda: async_engine.num_queued)
+    completion = OpenAIServingCompletion(async_engine, config)
+    chat = OpenAIServingChat(async_engine, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="moestream", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.add_middleware(_GuardMiddleware, config=config, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                       code=code))
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"Internal server error: {type(exc).__name__}", type="server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return error_response(APIError(503, "The engine is not running.", type="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        cards = [ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+                 for name in config.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def answer(serving: OpenAIServingCompletion | OpenAIServingChat, req: CompletionRequest | ChatCompletionRequest,
+                     request: Request) -> Response:
+        created = await _until_disconnect(request, serving.create(req))
+        if created is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        stream, base = created
+        if req.stream:
+            return _EventStreamResponse(serving.events(req, stream, base), lambda: async_engine.abort(stream))
+        result = await _until_disconnect(request, serving.respond(req, stream, base))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump())
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        """Body: CompletionRequest."""
+        return await answer(completion, await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        """Body: ChatCompletionRequest."""
+        return await answer(chat, await parse_body(request, ChatCompletionRequest), request)
+
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a SIGINT/SIGTERM ends it with exit code 0 after the graceful
+    shutdown (stop accepting, finish in-flight responses, stop the engine) instead of
+    re-raising the signal."""
+
+    @contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for `app` (call `.run()`, or `.serve()` in a loop). Binds `host`:`port`."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_keep_alive=5, access_log=False)
+    return _Server(config)

@@ -1,0 +1,199 @@
+"""Request handling shared by the completion and chat endpoints (as vLLM's serving_engine.py):
+server settings, the API error type, model-name and capacity checks, request fields ->
+SamplingParams, queueing the n x prompts engine requests of one HTTP request, SSE framing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from moestream.engine.llm_engine import PromptType
+from moestream.outputs import RequestOutput
+from moestream.sampling_params import Logprob, SamplingParams
+from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
+from moestream.server.protocol import SamplingRequest, UsageInfo
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of the HTTP layer.
+
+    Attributes:
+        served_model_names: names clients may pass as `model`; the first is the one
+            responses carry. Any other name is a 404.
+        api_key: when set, /v1/* requests need `Authorization: Bearer <api_key>` (else 401).
+        max_request_body_bytes: larger request bodies are refused with 413 (bytes).
+        max_waiting_requests: a request that would make more than this many engine
+            requests wait for their first token is refused with 503 (each of n choices counts).
+        chat_template: a Jinja chat template overriding the tokenizer's, or None.
+    """
+
+    served_model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_request_body_bytes: int = 10 << 20
+    max_waiting_requests: int = 1024
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):
+            raise ValueError(f"served_model_names must be non-empty strings, got {self.served_model_names!r}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be at least 1, got {self.max_request_body_bytes}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be at least 1, got {self.max_waiting_requests}")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: HTTP `status`, and {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+_FIRST_WORD = re.compile(r"^'?([a-z_]+)")
+
+
+def bad_request(error: ValueError, fields: Sequence[str], prompt_param: str) -> APIError:
+    """A 400 for a ValueError of the engine or SamplingParams; `param` is the field its
+    message starts with (e.g. "top_p must be in (0, 1]"), else `prompt_param` when it is
+    about the prompt."""
+    message = str(error)
+    m = _FIRST_WORD.match(message)
+    param = m.group(1) if m and m.group(1) in fields else None
+    if param is None and "prompt" in message:
+        param = prompt_param
+    return APIError(400, message, param=param)
+
+
+def top_logprobs(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    """The n most likely (token id, Logprob) of one position, most likely first."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)[:n]
+
+
+def usage(outputs: dict[str, RequestOutput], prompt_of: dict[str, int]) -> UsageInfo:
+    """Usage over the outputs: each distinct prompt counted once, every choice's tokens."""
+    prompt_tokens: dict[int, int] = {}
+    completion = 0
+    for rid, out in outputs.items():
+        prompt_tokens[prompt_of[rid]] = len(out.prompt_token_ids)
+        completion += len(out.outputs[0].token_ids)
+    p = sum(prompt_tokens.values())
+    return UsageInfo(prompt_tokens=p, completion_tokens=completion, total_tokens=p + completion)
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    """An error event in the middle of a stream (the status was sent already)."""
+    body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+class OpenAIServing:
+    """What both endpoints share: the engine, the settings, and request intake."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        """Raises APIError 404 when `name` is given and is not a served model name."""
+        if name is not None and name not in self.config.served_model_names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.config.served_model_names)}.",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        choice: int) -> SamplingParams:
+        """SamplingParams of choice `choice` (0-based) of a request. With a seed, choice i
+        uses seed + i, so that the n choices differ and choice 0 equals an offline run.
+
+        Raises:
+            APIError: 400 when SamplingParams rejects a value (the field is named).
+        """
+        try:
+            return SamplingParams(
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=None if req.seed is None else req.seed + choice,
+                max_tokens=max_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logprobs=logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(e, type(req).model_fields, "prompt") from None
+
+    async def submit(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
+                     prompt_param: str, fields: Sequence[str]) -> RequestStream:
+        """Queue the engine requests of one HTTP request, all or none.
+
+        Raises:
+            APIError: 503 when they would exceed the waiting-request limit; 400 when the
+                engine rejects a prompt or parameter (e.g. a prompt longer than max_model_len);
+                500 when the engine is not running.
+        """
+        limit = self.config.max_waiting_requests
+        if self.engine.num_queued + len(items) > limit:
+            raise APIError(503, f"The server is overloaded: {self.engine.num_queued} requests are waiting for "
+                                f"their first token and the limit is {limit}; retry later.",
+                           type="server_error", code="engine_overloaded")
+        try:
+            return await self.engine.add(items, add_special_tokens)
+        except ValueError as e:
+            raise bad_request(e, fields, prompt_param) from None
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from None
+
+    async def final_outputs(self, stream: RequestStream) -> dict[str, RequestOutput]:
+        """Wait for every request of `stream` to finish; aborts them if cancelled.
+
+        Raises:
+            APIError: 500 when the engine failed meanwhile.
+        """
+        final: dict[str, RequestOutput] = {}
+        try:
+            async for out in stream:
+                if out.finished:
+                    final[out.request_id] = out
+        except EngineError as e:
+            raise APIError(500, str(e), type="server_error") from None
+        finally:
+            self.engine.abort(stream)  # no-op for finished requests
+        return final
+
+    async def stream_events(self, stream: RequestStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """SSE framing around `events`: an error event if the engine fails, then `[DONE]`;
+        the stream's requests are aborted however it ends (finished, cancelled, client gone)."""
+        try:
+            try:
+                async for event in events:
+                    yield event
+            except EngineError as e:
+                yield sse_error(APIError(500, str(e), type="server_error"))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.engine.abort(stream)

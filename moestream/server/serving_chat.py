@@ -1,0 +1,141 @@
+"""POST /v1/chat/completions (as vLLM's serving_chat.py): the tokenizer's chat template (or
+the server's --chat-template) over the messages, n choices, answered whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import jinja2
+
+from moestream.outputs import RequestOutput
+from moestream.server.async_engine import RequestStream
+from moestream.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    random_id,
+)
+from moestream.server.serving import APIError, OpenAIServing, sse, top_logprobs, usage
+
+
+def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
+    """OpenAI's chat logprobs of output tokens [start:], with the top `n` per position."""
+    c = out.outputs[0]
+    content = []
+    for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        content.append(ChatTokenLogprob(
+            token=token, logprob=chosen.logprob, bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=p.decoded_token or "", logprob=p.logprob,
+                                     bytes=list((p.decoded_token or "").encode())) for _, p in top_logprobs(entry, n)],
+        ))
+    return ChatLogprobs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completion endpoint."""
+
+    def render(self, req: ChatCompletionRequest) -> str:
+        """The prompt text: the chat template applied to the messages.
+
+        Raises:
+            APIError: 400 when there is no chat template, or the template rejects the
+                messages (e.g. roles that do not alternate).
+        """
+        tokenizer = self.engine.tokenizer
+        template = self.config.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions, or start the "
+                                "server with --chat-template.", param="messages")
+        messages = []
+        for m in req.messages:
+            content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
+                part.text for part in m.content)
+            message = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+            raise APIError(400, f"The chat template could not be applied to the messages: {e}", param="messages") from None
+        if not isinstance(prompt, str):
+            raise APIError(400, "The chat template did not render to text.", param="messages")
+        return prompt
+
+    async def create(self, req: ChatCompletionRequest) -> tuple[RequestStream, str]:
+        """Queue the n choices (engine request ids `<id>-<i>`); returns their stream and the
+        response id `<id>`. Then `respond` (whole) or `events` (streamed) answers.
+
+        Raises:
+            APIError: 404 unknown model, 400 bad value or messages, 503 overloaded.
+        """
+        self.check_model(req.model)
+        prompt = self.render(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = [self.sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+        base = random_id("chatcmpl")
+        items = [(f"{base}-{i}", prompt, params[i]) for i in range(req.n)]
+        # The template writes the special tokens (BOS & co) itself.
+        stream = await self.submit(items, False, "messages", list(type(req).model_fields))
+        return stream, base
+
+    async def respond(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> ChatCompletionResponse:
+        """Wait for every choice and build the response."""
+        final = await self.final_outputs(stream)
+        choices = []
+        for i, rid in enumerate(stream.request_ids):
+            out = final[rid]
+            c = out.outputs[0]
+            choices.append(ChatChoice(
+                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None,
+            ))
+        return ChatCompletionResponse(id=base, model=self.model_name, choices=choices,
+                                      usage=usage(final, dict.fromkeys(stream.request_ids, 0)))
+
+    def events(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> AsyncIterator[str]:
+        """The SSE events of a streamed chat completion: a role chunk per choice, content
+        deltas, the usage chunk when `stream_options.include_usage`, then `[DONE]`."""
+        return self.stream_events(stream, self._chunks(req, stream, base))
+
+    async def _chunks(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], **kw: object) -> str:
+            return sse(ChatCompletionChunk(id=base, created=created, model=self.model_name, choices=choices, **kw))
+
+        index = {rid: i for i, rid in enumerate(stream.request_ids)}
+        for i in range(req.n):
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        sent_text = dict.fromkeys(stream.request_ids, 0)
+        sent_tokens = dict.fromkeys(stream.request_ids, 0)
+        final: dict[str, RequestOutput] = {}
+        async for out in stream:
+            rid, c = out.request_id, out.outputs[0]
+            delta = c.text[sent_text[rid]:]
+            if not delta and not out.finished:
+                continue  # held back (a possible stop string): nothing to send yet
+            lp = _logprobs(out, sent_tokens[rid], req.top_logprobs or 0) if req.logprobs else None
+            sent_text[rid] += len(delta)
+            sent_tokens[rid] = len(c.token_ids)
+            yield chunk([ChatStreamChoice(index=index[rid], delta=DeltaMessage(content=delta), logprobs=lp,
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            if out.finished:
+                final[rid] = out
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=usage(final, dict.fromkeys(stream.request_ids, 0)))
