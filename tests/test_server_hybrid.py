@@ -1,0 +1,43 @@
+"""`moestream serve` with a hybrid model (Qwen3-Next) and 2 device state slots: concurrent
+streamed completions equal the offline output, and no KV block or state slot is left held."""
+
+from __future__ import annotations
+
+import asyncio
+
+from live_server import LiveServer
+from openai import AsyncOpenAI
+
+from moestream import LLM, SamplingParams
+from moestream.config import EngineConfig
+from moestream.server.serving import ServerConfig
+
+PROMPTS = ["def add(a, b):", "import os", "Hello", "class A:", "x = [1, 2", "# comment", "for i in", "print("]
+
+
+def test_hybrid_concurrent_streams_equal_offline(qwen3_next_dir: str) -> None:
+    offline = LLM(qwen3_next_dir, dtype="float32", max_model_len=64).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=10))
+    server = LiveServer(
+        EngineConfig(model=qwen3_next_dir, dtype="float32", max_model_len=64, max_resident_states=2),
+        ServerConfig(served_model_names=("tiny-next",)),
+    )
+    try:
+        client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none")
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(model="tiny-next", prompt=prompt, max_tokens=10,
+                                                     temperature=0, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        async def run_all() -> list[str]:
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+        texts = asyncio.run(run_all())
+        assert texts == [o.outputs[0].text for o in offline]
+        server.wait_idle()
+        pool = server.engine.state_pool
+        assert pool.num_swap_ins > 0  # 8 requests over 2 slots did swap
+        assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
+    finally:
+        server.stop()
