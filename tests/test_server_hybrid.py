@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 from live_server import LiveServer
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from moestream import LLM, SamplingParams
 from moestream.config import EngineConfig
@@ -39,5 +41,10 @@ def test_hybrid_concurrent_streams_equal_offline(qwen3_next_dir: str) -> None:
         pool = server.engine.state_pool
         assert pool.num_swap_ins > 0  # 8 requests over 2 slots did swap
         assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
+        text = httpx.get(server.base_url + "/metrics").text
+        samples = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert samples["moestream:state_slots_total"] == 2
+        assert samples["moestream:state_slots_in_use"] == 0 and samples["moestream:states_swapped"] == 0
+        assert samples["moestream:state_swap_ins_total"] == pool.num_swap_ins > 0
     finally:
         server.stop()

@@ -48,6 +48,10 @@ class EngineSnapshot:
         num_blocks: KV cache blocks in all.
         num_free_blocks: KV cache blocks free.
         expert_stats: `LLMEngine.expert_stats()` (hit rate, stall seconds, bytes per tier).
+        num_state_slots: hybrid models: device state slots in all (0 for other models).
+        num_resident_states, num_swapped_states: requests whose linear-attention state is
+            on the device / in host memory.
+        num_state_swap_ins: states swapped back in from host so far.
     """
 
     num_running: int = 0
@@ -55,6 +59,26 @@ class EngineSnapshot:
     num_blocks: int = 0
     num_free_blocks: int = 0
     expert_stats: dict = field(default_factory=dict)
+    num_state_slots: int = 0
+    num_resident_states: int = 0
+    num_swapped_states: int = 0
+    num_state_swap_ins: int = 0
+
+
+def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
+    """Copy the engine's figures (call on the engine thread)."""
+    pool = engine.state_pool
+    return EngineSnapshot(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        num_blocks=engine.kv_cache.num_blocks,
+        num_free_blocks=engine.kv_cache.num_free_blocks,
+        expert_stats=engine.expert_stats(),
+        num_state_slots=pool.max_resident if pool is not None else 0,
+        num_resident_states=pool.num_resident() if pool is not None else 0,
+        num_swapped_states=pool.num_swapped() if pool is not None else 0,
+        num_state_swap_ins=pool.num_swap_ins if pool is not None else 0,
+    )
 
 
 class OutputObserver(Protocol):
@@ -125,9 +149,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
         self.engine = engine
         self.observer = observer
-        self.snapshot = EngineSnapshot(num_blocks=engine.kv_cache.num_blocks,
-                                       num_free_blocks=engine.kv_cache.num_free_blocks,
-                                       expert_stats=engine.expert_stats())
+        self.snapshot = take_snapshot(engine)
         self.num_queued = 0
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -285,13 +307,7 @@ class AsyncLLMEngine:
                 else:
                     if outputs:
                         self._post(self._dispatch, outputs)
-            self.snapshot = EngineSnapshot(
-                num_running=len(engine.scheduler.running),
-                num_waiting=len(engine.scheduler.waiting),
-                num_blocks=engine.kv_cache.num_blocks,
-                num_free_blocks=engine.kv_cache.num_free_blocks,
-                expert_stats=engine.expert_stats(),
-            )
+            self.snapshot = take_snapshot(engine)
 
     def _add(self, cmd: _Add) -> None:
         """Validate every item, then queue them all (nothing is queued on error)."""

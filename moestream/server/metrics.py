@@ -59,6 +59,15 @@ class _EngineCollector(Collector):
         for tier in ("disk", "host"):
             tiers.add_metric([tier], float(per_tier.get(tier, 0)))
         yield tiers
+        if s.num_state_slots:
+            yield GaugeMetricFamily("moestream:state_slots_total",
+                                    "Device slots for linear-attention states (hybrid models).", s.num_state_slots)
+            yield GaugeMetricFamily("moestream:state_slots_in_use",
+                                    "Requests whose linear-attention state is on the device.", s.num_resident_states)
+            yield GaugeMetricFamily("moestream:states_swapped",
+                                    "Requests whose linear-attention state waits in host memory.", s.num_swapped_states)
+            yield CounterMetricFamily("moestream:state_swap_ins",
+                                      "Linear-attention states swapped back in from host memory.", s.num_state_swap_ins)
 
 
 class ServerMetrics:
