@@ -59,7 +59,8 @@ class TorchAttentionBackend:
 
     Query j of a request with n new tokens and context length L sits at absolute position
     p = L - n + j; it attends key positions t with t <= p and, with a sliding window W,
-    t > p - W (HF's `sliding_window_overlay`).
+    t > p - W (HF's `sliding_window_overlay`). Requests with one new token (decodes) run
+    together in one padded SDPA call; prefill chunks run one request at a time.
     """
 
     def forward(
@@ -79,7 +80,13 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)  # [T, Hq, D]
         bs = meta.block_size
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        batched = set(decodes) if len(decodes) > 1 else set()
+        if batched:
+            self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out)
         for i in range(len(lens)):
+            if i in batched:
+                continue
             qs, qe, ctx = qsl[i], qsl[i + 1], lens[i]
             n = qe - qs
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
@@ -100,3 +107,39 @@ class TorchAttentionBackend:
             )  # [Hq, n, D]
             out[qs:qe] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _batched_decode(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        decodes: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """All one-token (decode) requests in one SDPA call: their blocks gathered and padded
+        to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
+        bs, num_kv_heads, head_dim = meta.block_size, k_cache.shape[2], k_cache.shape[3]
+        width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs
+        dev = q.device
+        idx = torch.tensor(decodes, device=dev)
+        rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
+        tables = meta.block_tables[idx, :width]  # [b, W]
+        keys = k_cache[tables].reshape(len(decodes), width * bs, num_kv_heads, head_dim)  # [b, W*bs, Hk, D]
+        vals = v_cache[tables].reshape(len(decodes), width * bs, num_kv_heads, head_dim)
+        ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
+        k_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, W*bs]
+        mask = k_pos < ctx  # [b, W*bs]
+        if sliding_window is not None:
+            mask &= k_pos > ctx - 1 - sliding_window
+        o = F.scaled_dot_product_attention(
+            q[rows][:, :, None, :],  # [b, Hq, 1, D]
+            keys.transpose(1, 2),  # [b, Hk, W*bs, D]
+            vals.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],  # [b, 1, 1, W*bs]
+            scale=scale,
+            enable_gqa=True,
+        )  # [b, Hq, 1, D]
+        out[rows] = o[:, :, 0, :]
