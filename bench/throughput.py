@@ -43,11 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEERS = os.path.join(HERE, "peers")
 ENGINES = ("moestream", "hf", "vllm", "llama_cpp")
-PEER_PYTHON = {"vllm": os.path.join(PEERS, ".venv-vllm", "bin", "python"),
-               "llama_cpp": os.path.join(PEERS, ".venv-llama", "bin", "python")}
+PEER_VENV = {"vllm": ".venv-vllm", "llama_cpp": ".venv-llama"}
 PEER_SETUP = {"vllm": "bash bench/peers/setup_vllm_cpu.sh", "llama_cpp": "bash bench/peers/setup_llama_cpp.sh"}
-LLAMA_CONVERTER = os.path.join(PEERS, ".src-llama", "pkg", "vendor", "llama.cpp", "convert_hf_to_gguf.py")
-GGUF_CACHE = os.path.join(PEERS, ".cache")
 BUSY_LOAD = 0.7  # 1-minute load average (runnable processes) above which a run is marked preliminary
 
 
@@ -305,21 +302,23 @@ def worker(spec: dict) -> dict:
 
 # ---- orchestration (parent) -----------------------------------------------------------------
 
-def gguf_for(ckpt: str, timeout: float) -> str:
-    """A bf16 GGUF of `ckpt` made with llama.cpp's vendored converter (cached in bench/peers/.cache).
+def gguf_for(ckpt: str, peers_dir: str, timeout: float) -> str:
+    """A bf16 GGUF of `ckpt` made with llama.cpp's vendored converter (cached in `peers_dir`/.cache).
 
     Raises:
         RuntimeError: the converter is missing or fails (its stderr tail in the message).
     """
     with open(os.path.join(ckpt, "config.json")) as f:
         model_type = json.load(f).get("model_type")
-    os.makedirs(GGUF_CACHE, exist_ok=True)
-    out = os.path.join(GGUF_CACHE, os.path.basename(os.path.normpath(ckpt)) + f"-{zlib.crc32(os.path.abspath(ckpt).encode()):08x}-bf16.gguf")
+    cache = os.path.join(peers_dir, ".cache")
+    converter = os.path.join(peers_dir, ".src-llama", "pkg", "vendor", "llama.cpp", "convert_hf_to_gguf.py")
+    os.makedirs(cache, exist_ok=True)
+    out = os.path.join(cache, os.path.basename(os.path.normpath(ckpt)) + f"-{zlib.crc32(os.path.abspath(ckpt).encode()):08x}-bf16.gguf")
     if os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(os.path.join(ckpt, "config.json")):
         return out
-    if not os.path.exists(LLAMA_CONVERTER):
-        raise RuntimeError(f"llama.cpp converter not found at {LLAMA_CONVERTER}; run {PEER_SETUP['llama_cpp']}")
-    cmd = [PEER_PYTHON["llama_cpp"], LLAMA_CONVERTER, ckpt, "--outfile", out + ".tmp", "--outtype", "bf16"]
+    if not os.path.exists(converter):
+        raise RuntimeError(f"llama.cpp converter not found at {converter}; run {PEER_SETUP['llama_cpp']}")
+    cmd = [os.path.join(peers_dir, PEER_VENV["llama_cpp"], "bin", "python"), converter, ckpt, "--outfile", out + ".tmp", "--outtype", "bf16"]
     if model_type == "qwen3_next":
         cmd.append("--no-mtp")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -329,9 +328,10 @@ def gguf_for(ckpt: str, timeout: float) -> str:
     return out
 
 
-def run_engine(engine: str, spec: dict, timeout: float) -> dict:
-    """Run one engine's worker subprocess; returns its results, or {'status': ..., 'error': ...}."""
-    python = PEER_PYTHON.get(engine, sys.executable)
+def run_engine(engine: str, spec: dict, peers_dir: str, timeout: float) -> dict:
+    """Run one engine's worker subprocess (a peer's in its venv under `peers_dir`); returns its
+    results, or {'status': 'not installed' | 'failed', 'error': ...}."""
+    python = os.path.join(peers_dir, PEER_VENV[engine], "bin", "python") if engine in PEER_VENV else sys.executable
     if not os.path.exists(python):
         return {"status": "not installed", "error": f"{python} not found: run {PEER_SETUP[engine]}"}
     spec = dict(spec, engine=engine)
@@ -341,7 +341,7 @@ def run_engine(engine: str, spec: dict, timeout: float) -> dict:
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{spec['threads'] - 1}", VLLM_LOGGING_LEVEL="WARNING")
     if engine == "llama_cpp":
         try:
-            spec["gguf"] = gguf_for(spec["checkpoint"], timeout)
+            spec["gguf"] = gguf_for(spec["checkpoint"], peers_dir, timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             return {"status": "failed", "error": f"GGUF conversion: {e}"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -490,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine run")
     ap.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vllm, GiB")
     ap.add_argument("--vllm-eager", action="store_true", help="enforce_eager=True for vllm (no torch.compile)")
+    ap.add_argument("--peers-dir", default=PEERS, help="where the peers' venvs are (bench/peers)")
     ap.add_argument("--preliminary", action="store_true", help="mark the results preliminary whatever the load")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "throughput"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             if runs[e] and runs[e][-1].get("status") == "not installed":
                 continue
             print(f"round {rnd + 1}/{args.repeats}: {e} ...", file=sys.stderr, flush=True)
-            res = run_engine(e, specs[e], args.timeout)
+            res = run_engine(e, specs[e], args.peers_dir, args.timeout)
             if res["status"] != "ok":
                 print(f"  {e}: {res['status']}: {str(res['error'])[-800:]}", file=sys.stderr, flush=True)
             runs[e].append(res)
