@@ -47,7 +47,7 @@ _QWEN3_MOE = dict(vocab_size=QWEN2_VOCAB, num_attention_heads=8, num_key_value_h
                   eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS, rope_theta=1000000.0)
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny": ("qwen3_moe", dict(_QWEN3_MOE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                num_experts=8, num_experts_per_tok=2)),
     "small": ("qwen3_moe", dict(_QWEN3_MOE, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                                 num_hidden_layers=8, num_experts=32, num_experts_per_tok=4)),
@@ -78,8 +78,11 @@ def make_config(preset: str, **overrides: object):  # -> transformers.Pretrained
     from transformers import AutoConfig
 
     model_type, kw = PRESETS[preset]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     cfg = AutoConfig.for_model(model_type, **{**kw, **overrides})
     cfg.dtype = torch.bfloat16
+    cfg.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]  # vLLM picks its model class by this
     return cfg
 
 

@@ -407,7 +407,8 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
                      f"{meta['max_load_before']:.1f} on {meta['cpus']} cores); ratios are indicative only.\n")
     lines.append(f"Checkpoint `{meta['checkpoint_name']}`, {meta['dtype']}, {meta['threads']} threads, prompt "
                  f"{meta['prompt_len']} + {meta['max_tokens']} output tokens (mixed: {meta['mixed_requests']} requests, "
-                 f"at most {meta['mixed_concurrency']} in flight), median of {meta['repeats']} interleaved rounds.\n")
+                 f"at most {meta['mixed_concurrency']} in flight), median of {meta['rounds_done']} interleaved round(s)"
+                 + ("" if meta.get("complete", True) else " (run incomplete: written after each engine run)") + ".\n")
     head = ["workload"] + [f"{e} tok/s" for e in engines] + [f"moestream/{p}" for p in peers if "moestream" in engines]
     lines += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for w in workloads:
@@ -471,6 +472,29 @@ def resolve_checkpoint(name: str, cache_dir: str) -> str:
     return ensure_checkpoint(name, os.path.join(cache_dir, name))
 
 
+def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: str, done: bool) -> str:
+    """Write throughput.{json,md,png} from the rounds so far (after every engine run, so that
+    an interrupted run keeps what it measured); returns the markdown."""
+    results = aggregate({e: rs for e, rs in runs.items() if rs})
+    loads = [r.get("load_before", 0.0) for rs in runs.values() for r in rs]
+    meta = {"checkpoint": ckpt, "checkpoint_name": os.path.basename(os.path.normpath(ckpt)), "dtype": args.dtype,
+            "threads": args.threads, "cpus": os.cpu_count(), "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "mixed_requests": args.mixed_requests,
+            "mixed_concurrency": args.mixed_concurrency, "repeats": args.repeats,
+            "rounds_done": max(len(rs) for rs in runs.values()), "complete": done,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_load_before": max(loads, default=0.0),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    meta["preliminary"] = bool(args.preliminary or meta["max_load_before"] > BUSY_LOAD)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "engines": results, "rounds": runs}, f, indent=2)
+    md = markdown(results, meta)
+    with open(args.out + ".md", "w") as f:
+        f.write(md)
+    plot(results, args.out + ".png")
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default="small", help="a checkpoint directory or a bench/make_checkpoint.py preset")
@@ -528,22 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             if res["status"] != "ok":
                 print(f"  {e}: {res['status']}: {str(res['error'])[-800:]}", file=sys.stderr, flush=True)
             runs[e].append(res)
-    results = aggregate(runs)
-    loads = [r.get("load_before", 0.0) for rs in runs.values() for r in rs]
-    meta = {"checkpoint": ckpt, "checkpoint_name": os.path.basename(os.path.normpath(ckpt)), "dtype": args.dtype,
-            "threads": args.threads, "cpus": os.cpu_count(), "prompt_len": args.prompt_len,
-            "max_tokens": args.max_tokens, "concurrency": args.concurrency, "mixed_requests": args.mixed_requests,
-            "mixed_concurrency": args.mixed_concurrency, "repeats": args.repeats,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "max_load_before": max(loads, default=0.0),
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    meta["preliminary"] = bool(args.preliminary or meta["max_load_before"] > BUSY_LOAD)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "engines": results, "rounds": runs}, f, indent=2)
-    md = markdown(results, meta)
-    with open(args.out + ".md", "w") as f:
-        f.write(md)
-    plot(results, args.out + ".png")
+            md = write_results(runs, args, ckpt, done=rnd == args.repeats - 1 and e == engines[-1])
     print(md)
     return 0
 
