@@ -408,7 +408,7 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
     if meta.get("preliminary"):
         lines.append(f"**Preliminary**: the machine was busy during the run (1-min load before runs up to "
                      f"{meta['max_load_before']:.1f} on {meta['cpus']} cores); ratios are indicative only.\n")
-    lines.append(f"Checkpoint `{meta['checkpoint_name']}`, {meta["dtype"]}, threads per engine: {meta["threads"]}, prompt "
+    lines.append(f"Checkpoint `{meta['checkpoint_name']}`, {meta['dtype']}, threads per engine: {meta['threads']}, prompt "
                  f"{meta['prompt_len']} + {meta['max_tokens']} output tokens (mixed: {meta['mixed_requests']} requests, "
                  f"at most {meta['mixed_concurrency']} in flight), median of {meta['rounds_done']} interleaved round(s)"
                  + ("" if meta.get("complete", True) else " (run incomplete: written after each engine run)") + ".\n")
