@@ -452,10 +452,12 @@ def plot(results: dict[str, dict], path: str) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = {"moestream": "o-", "hf": "s-", "vllm": "^-", "llama_cpp": "D"}
     for e, res in results.items():
         rows = [r for r in res["rows"] if r["workload"] != "mixed"]
         if rows:
-            ax.plot([r["concurrency"] for r in rows], [r["output_tok_per_s"] for r in rows], "o-", label=e)
+            ax.plot([r["concurrency"] for r in rows], [r["output_tok_per_s"] for r in rows], markers.get(e, "o-"),
+                    label=e, markersize=9 if e == "llama_cpp" else 6, fillstyle="none" if e == "llama_cpp" else "full")
     ax.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="output tokens / s",
            title="offline throughput (same checkpoint, same threads)")
     ax.legend()

@@ -25,7 +25,7 @@ def test_make_checkpoint_is_deterministic_and_loads_in_hf(tmp_path) -> None:
     assert a.equal(make_tensor("model.layers.0.mlp.experts.3.up_proj.weight", (8, 4), seed=0))
     assert not a.equal(make_tensor("model.layers.0.mlp.experts.4.up_proj.weight", (8, 4), seed=0))
     out = str(tmp_path / "tiny")
-    summary = write_checkpoint("tiny", out, seed=0, shard_bytes=8 << 20)
+    summary = write_checkpoint("tiny", out, seed=0, shard_bytes=256 << 10, vocab_size=1024)
     assert summary["shards"] > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json"))
     assert summary["routed_expert_bytes"] == 2 * 8 * 3 * 32 * 64 * 2  # layers * experts * 3 * I * H * bf16
     assert os.path.exists(os.path.join(out, "tokenizer.json"))
