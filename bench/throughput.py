@@ -155,6 +155,8 @@ def run_stepped(driver: SteppedDriver, wl: Workload) -> dict:
 
 
 class MoestreamDriver(SteppedDriver):
+    """moestream's LLMEngine (from this checkout), greedy with ignore_eos."""
+
     def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int) -> None:
         sys.path.insert(0, ROOT)
         from moestream import LLM
@@ -174,6 +176,9 @@ class MoestreamDriver(SteppedDriver):
 
 
 class VllmDriver(SteppedDriver):
+    """vLLM's LLMEngine, in process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so its RSS is this
+    process's), greedy with ignore_eos, no prefix caching."""
+
     def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int,
                  eager: bool) -> None:
         from vllm import LLM
