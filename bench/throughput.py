@@ -45,7 +45,7 @@ PEERS = os.path.join(HERE, "peers")
 ENGINES = ("moestream", "hf", "vllm", "llama_cpp")
 PEER_VENV = {"vllm": ".venv-vllm", "llama_cpp": ".venv-llama"}
 PEER_SETUP = {"vllm": "bash bench/peers/setup_vllm_cpu.sh", "llama_cpp": "bash bench/peers/setup_llama_cpp.sh"}
-BUSY_LOAD = 0.7  # 1-minute load average (runnable processes) above which a run is marked preliminary
+BUSY_LOAD = 0.7  # 1-minute load beyond the engines' own threads above which a run is marked preliminary
 
 
 # ---- workloads ------------------------------------------------------------------------------
@@ -494,7 +494,8 @@ def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: s
             "rounds_done": max(len(rs) for rs in runs.values()), "complete": done,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_load_before": max(loads, default=0.0),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    meta["preliminary"] = bool(args.preliminary or meta["max_load_before"] > BUSY_LOAD)
+    # the 1-minute load still holds the previous engine's own threads: busy means more than that
+    meta["preliminary"] = bool(args.preliminary or meta["max_load_before"] > args.threads + BUSY_LOAD)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "engines": results, "rounds": runs}, f, indent=2)
