@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from throughput import pct  # bench/ is the script directory
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 VLLM_PYTHON = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
@@ -116,16 +118,6 @@ async def run_rate(base_url: str, model: str, prompts: list[str], rate: float, m
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    """q-th percentile (0..100), linear interpolation; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def summarise(rate: float, results: list[Result], duration: float, slo_ttft: float, slo_tpot: float) -> dict:

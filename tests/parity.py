@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -10,6 +11,10 @@ from moestream import SamplingParams
 
 TIE_GAP = 1e-5
 LOGITS_ATOL = 1e-4
+
+
+class HFReferenceLike(Protocol):
+    def generate(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]: ...
 
 
 class LogitsRecorder:
@@ -56,3 +61,14 @@ def check_parity(
     )
     report.ties.append(f"{name}: tie at position {diverge} (gap {gap:.2g})")
     print("numerical tie:", report.ties[-1])
+
+
+def check_all(prompts: list[list[int]], results: list, reference: "HFReferenceLike", label: str) -> ParityReport:
+    """check_parity for each (prompt, (tokens, LogitsRecorder)) against `reference.generate(prompt)`;
+    prints the largest logit difference and the number of ties."""
+    report = ParityReport()
+    for i, (prompt, (tokens, rec)) in enumerate(zip(prompts, results)):
+        ref_tokens, ref_logits = reference.generate(prompt)
+        check_parity(tokens, rec.logits, ref_tokens, ref_logits, report, f"{label} prompt {i} (len {len(prompt)})")
+    print(f"{label}: max logit diff {report.max_logit_diff:.2e}, ties {len(report.ties)}")
+    return report

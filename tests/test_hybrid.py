@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
-from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
+from parity import LogitsRecorder, check_all, greedy_params
 from tiny_checkpoint import make_tiny_checkpoint
 
 from moestream import LLM, ModelConfig, SamplingParams
@@ -23,19 +23,10 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_NEW_TOKE
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
-def _check_all(prompts, results, ref: HFReference, label: str) -> ParityReport:
-    report = ParityReport()
-    for i, (prompt, (tokens, rec)) in enumerate(zip(prompts, results)):
-        ref_tokens, ref_logits = ref.generate(prompt)
-        check_parity(tokens, rec.logits, ref_tokens, ref_logits, report, f"{label} prompt {i} (len {len(prompt)})")
-    print(f"{label}: max logit diff {report.max_logit_diff:.2e}, ties {len(report.ties)}")
-    return report
-
-
 def test_batch_decoded_together(hybrid_dir: str, hybrid_reference: HFReference) -> None:
     prompts = parity_prompts()
     llm = LLM(hybrid_dir, dtype="float32", max_model_len=128)
-    _check_all(prompts, _generate(llm, prompts), hybrid_reference, "hybrid batch")
+    check_all(prompts, _generate(llm, prompts), hybrid_reference, "hybrid batch")
     pool = llm.llm_engine.state_pool
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == pool.max_resident
 
@@ -60,7 +51,7 @@ def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -
         steps += 1
     # While all 8 decode (steps 2..~32), each step swaps in at least 6 of them.
     assert min(swaps_per_step[1:NUM_NEW_TOKENS - 8]) >= 6, swaps_per_step
-    _check_all(prompts, [(final[i], recs[i]) for i in range(8)], hybrid_reference, "swapping")
+    check_all(prompts, [(final[i], recs[i]) for i in range(8)], hybrid_reference, "swapping")
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
 
 

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 import torch
 from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
-from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
+from parity import LogitsRecorder, check_all, greedy_params
 
 from moestream import LLM, ModelConfig
 from moestream.engine.kv_cache import kv_block_bytes
-
-
-def _check_all(prompts, results, hf_reference: HFReference, label: str) -> ParityReport:
-    report = ParityReport()
-    for i, (prompt, (tokens, rec)) in enumerate(zip(prompts, results)):
-        ref_tokens, ref_logits = hf_reference.generate(prompt)
-        check_parity(tokens, rec.logits, ref_tokens, ref_logits, report, f"{label} prompt {i} (len {len(prompt)})")
-    print(f"{label}: max logit diff {report.max_logit_diff:.2e}, ties {len(report.ties)}")
-    return report
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], LogitsRecorder]]:
@@ -30,7 +21,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], Logit
 def test_batch_decoded_together(model_dir: str, hf_reference: HFReference) -> None:
     prompts = parity_prompts()
     llm = LLM(model_dir, dtype="float32", max_model_len=128)
-    _check_all(prompts, _generate(llm, prompts), hf_reference, "batch")
+    check_all(prompts, _generate(llm, prompts), hf_reference, "batch")
 
 
 def test_requests_added_mid_decode(model_dir: str, hf_reference: HFReference) -> None:
@@ -51,7 +42,7 @@ def test_requests_added_mid_decode(model_dir: str, hf_reference: HFReference) ->
                 final[int(out.request_id)] = out.outputs[0].token_ids
         steps += 1
     assert steps > 3 * len(prompts) - 3
-    _check_all(prompts, [(final[i], recs[i]) for i in range(len(prompts))], hf_reference, "staggered")
+    check_all(prompts, [(final[i], recs[i]) for i in range(len(prompts))], hf_reference, "staggered")
 
 
 def test_preemption(model_dir: str, hf_reference: HFReference) -> None:
@@ -65,7 +56,7 @@ def test_preemption(model_dir: str, hf_reference: HFReference) -> None:
     results = _generate(llm, prompts)
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.num_free_blocks == 12
-    _check_all(prompts, results, hf_reference, "preemption")
+    check_all(prompts, results, hf_reference, "preemption")
 
 
 def test_chunked_prefill(model_dir: str, hf_reference: HFReference) -> None:
@@ -84,4 +75,4 @@ def test_chunked_prefill(model_dir: str, hf_reference: HFReference) -> None:
         partial_prefills += sum(0 < r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
     assert partial_prefills > 0, "no prompt was prefilled in chunks"
     results = [(final[str(i)], recs[i]) for i in range(len(prompts))]
-    _check_all(prompts, results, hf_reference, "chunked")
+    check_all(prompts, results, hf_reference, "chunked")
