@@ -6,9 +6,46 @@ imported decomposition machinery (whose first import leaves reference cycles tha
 the constructing frames, and so the engine, until the next gc pass).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Calls with at least this many rows upcast on CPUs without native bf16/fp16 matmul (below it
+# the weight's conversion costs more than the slow low-precision GEMM saves; measured on an
+# AVX2 core: K=N=1024, the crossover is between 4 and 16 rows).
+UPCAST_MIN_ROWS = 8
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX), so that torch's CPU
+    bf16 GEMM runs at least as fast as float32. Without them (e.g. AVX2-only CPUs) torch's bf16
+    and fp16 GEMMs are 4-8x slower than float32 for 16+ rows."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: x [..., in] @ weight[out, in].T -> [..., out], in x's dtype.
+
+    On a CPU without native bf16 (`cpu_has_native_bf16()`), a bf16/fp16 call with at least
+    `UPCAST_MIN_ROWS` rows computes in float32 (x and weight upcast, result rounded back to
+    x's dtype). bf16/fp16 values are exact in float32 and torch's low-precision CPU GEMM also
+    accumulates in float32, so the two differ only in summation order; this is 3-7x faster
+    there (docs/performance.md). Weights stay in their dtype in memory. The choice depends only on
+    the call's shape and the CPU, never on the memory budget.
+    """
+    if (
+        x.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]
+        and not cpu_has_native_bf16()
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -20,7 +57,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

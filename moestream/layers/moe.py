@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.experts.interface import ExpertStore
-from moestream.layers.linear import Linear
+from moestream.layers.linear import Linear, linear
 from moestream.layers.mlp import GatedMLP
 
 
@@ -74,8 +74,8 @@ class SparseMoE(nn.Module):
             for e, w in zip(chunk, experts):
                 end = start + counts[e]
                 rows = token_of[start:end]
-                gate, up = F.linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
-                y = F.linear(F.silu(gate) * up, w.down)  # [n, H]
+                gate, up = linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
+                y = linear(F.silu(gate) * up, w.down)  # [n, H]
                 out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
                 start = end
         routed = out.to(x.dtype)
