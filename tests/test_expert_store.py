@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -119,8 +121,6 @@ def test_policy_base_is_lru_for_store(qwen_cfg, locations) -> None:
 
 
 def _wait_resident(store: PagedExpertStore, keys: set, timeout_s: float = 10.0) -> None:
-    import time
-
     end = time.monotonic() + timeout_s
     while not keys <= store.resident_experts():
         assert time.monotonic() < end, "prefetch did not finish"
@@ -172,3 +172,40 @@ def test_pin_profile_validation(qwen3_moe_dir: str, tmp_path) -> None:
     many = _profile(tmp_path, {"0": list(range(8)), "2": list(range(7))})
     assert LLM(qwen3_moe_dir, dtype="float32", expert_budget=1.0, expert_pin_profile=many).expert_stats()["resident"]
     assert LLM(qwen3_moe_dir, dtype="float32", expert_budget=np.int64(4 * eb)).expert_stats()["num_slots"] == 4
+
+
+class _FailingDisk:
+    """A disk tier whose reads raise, standing in for an I/O error in the prefetch thread."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def read_into(self, key, gate_up, down) -> int:
+        self.calls += 1
+        raise OSError(f"injected read error for {key}")
+
+
+def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, locations, tensors) -> None:
+    """Regression: a prefetch read that raised left the key 'loading' and its slot claimed, so
+    the next ensure() of that expert waited forever and the slot leaked."""
+    store = make_store(qwen_cfg, locations, slots=3, prefetch="gate")
+    failing = _FailingDisk()
+    store._prefetch_disk = failing
+    store.prefetch(2, [5])
+    deadline = time.monotonic() + 10
+    while store.stats()["prefetch_errors"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert failing.calls == 1 and store.stats()["prefetch_errors"] == 1
+    assert store.resident_experts() == set() and len(store._free) == 3 and not store._loading
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(store.ensure(2, [5])), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert done, "ensure() hung on an expert whose prefetch failed"
+    w = done[0][0]
+    assert torch.equal(w.down, tensors["model.layers.2.mlp.experts.5.down_proj.weight"])
+    # the worker survived the error: a later prefetch (now from the real disk tier) lands
+    store._prefetch_disk = store._disk
+    store.prefetch(2, [6])
+    _wait_resident(store, {(2, 6)})
+    assert store.stats()["prefetch_loads"] == 1 and store.resident_experts() == {(2, 5), (2, 6)}

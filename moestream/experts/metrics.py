@@ -15,7 +15,8 @@ class ExpertStats:
     bytes of prefetched experts evicted before any use. Each tier counts the bytes it
     served in its own format: disk in the checkpoint's dtype, host in the compute dtype;
     prefetch bytes are disk bytes. A stall is time `ensure` spends
-    waiting for loads (demand misses and in-flight prefetches).
+    waiting for loads (demand misses and in-flight prefetches). prefetch_errors: prefetch
+    reads that raised (logged; the expert is then loaded on demand).
     """
 
     num_layers: int
@@ -26,6 +27,7 @@ class ExpertStats:
     prefetch_loads: int = 0
     prefetch_bytes: int = 0
     wasted_prefetch_bytes: int = 0
+    prefetch_errors: int = 0
     bytes_read_disk: int = 0
     bytes_read_host: int = 0
     stall_seconds: float = 0.0
@@ -52,6 +54,7 @@ class ExpertStats:
             "prefetch_loads": self.prefetch_loads,
             "prefetch_bytes": self.prefetch_bytes,
             "wasted_prefetch_bytes": self.wasted_prefetch_bytes,
+            "prefetch_errors": self.prefetch_errors,
             "bytes_read": self.bytes_read_disk + self.bytes_read_host,
             "bytes_read_per_tier": {"disk": self.bytes_read_disk, "host": self.bytes_read_host},
             "stall_seconds": self.stall_seconds,

@@ -15,6 +15,7 @@ layer that `ensure` has reached is dropped.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import deque
@@ -53,6 +54,8 @@ class PrefetchQueue:
             self.keys = deque(kept)
             self.queued = set(kept)
 
+logger = logging.getLogger(__name__)
+
 
 def start_prefetch_worker(store: PagedExpertStore, queue: PrefetchQueue) -> threading.Thread:
     """Start a daemon thread that runs `store._prefetch_one(key)` for queued keys."""
@@ -76,7 +79,10 @@ def _worker(ref: weakref.ref, queue: PrefetchQueue) -> None:
         store = ref()
         if store is None:
             return
-        store._prefetch_one(key)
+        try:
+            store._prefetch_one(key)
+        except Exception:  # never let the worker die silently: demand loads still work without it
+            logger.exception("expert prefetch worker: loading %s failed", key)
         del store
 
 

@@ -231,7 +231,19 @@ class PagedExpertStore:
             self._loading.add(key)
             # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
         gate_up, down = self.gate_up[slot], self.down[slot]
-        nbytes = self._prefetch_disk.read_into(key, gate_up, down)
+        try:
+            nbytes = self._prefetch_disk.read_into(key, gate_up, down)
+        except Exception:
+            # Give the slot back and wake any `ensure` waiting for this key: it loads the
+            # expert itself, so a persistent read error surfaces there, on the engine thread.
+            logger.warning("prefetch of expert %d of layer %d failed; it will be loaded on demand", key[1], key[0],
+                           exc_info=True)
+            with self._queue.lock:
+                self._loading.discard(key)
+                self._free.append(slot)
+                self.metrics.prefetch_errors += 1
+                self._queue.cond.notify_all()
+            return
         with self._queue.lock:
             self._loading.discard(key)
             self._slot_of[key] = slot
