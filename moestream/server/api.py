@@ -208,7 +208,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     lifespan; the app has its own metrics registry (`app.state.metrics`) and its
     `AsyncLLMEngine` is `app.state.engine`."""
     metrics = ServerMetrics()
-    async_engine = AsyncLLMEngine(engine, metrics)
+    async_engine = AsyncLLMEngine(engine, metrics, num_threads=config.engine_threads)
     metrics.bind(lambda: async_engine.snapshot, lambda: async_engine.num_queued)
     completion = OpenAIServingCompletion(async_engine, config)
     chat = OpenAIServingChat(async_engine, config)

@@ -24,6 +24,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from moestream.engine.llm_engine import LLMEngine, PromptType
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
@@ -146,8 +148,9 @@ class AsyncLLMEngine:
     the server's waiting-request limit counts.
     """
 
-    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: OutputObserver | None = None, num_threads: int | None = None) -> None:
         self.engine = engine
+        self.num_threads = num_threads
         self.observer = observer
         self.snapshot = take_snapshot(engine)
         self.num_queued = 0
@@ -273,6 +276,9 @@ class AsyncLLMEngine:
             pass
 
     def _run(self) -> None:
+        if self.num_threads is not None:
+            # torch's intra-op thread count is per thread (OpenMP): set it where the engine runs.
+            torch.set_num_threads(self.num_threads)
         engine = self.engine
         stopping = False
         while not stopping:

@@ -66,6 +66,18 @@ def _budget(text: str) -> float | int:
         raise argparse.ArgumentTypeError(f"expected a fraction like 0.25 or a number of bytes, got '{text}'") from None
 
 
+def _threads(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'")
+    return n
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) keyword arguments from the engine flags.
 
@@ -122,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "for their first token (default: 1024)")
     srv.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
                      help="answer 413 to larger request bodies (default: 10485760)")
+    srv.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
+                     help="torch threads of the engine (intra-op); auto: on CPU the cores available less one for the "
+                          "HTTP event loop, at least 1; torch's default on an accelerator (default: auto)")
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's log level (default: info)")
@@ -156,7 +171,7 @@ def _serve(args: argparse.Namespace) -> int:
     from moestream.config import EngineConfig
     from moestream.engine.llm_engine import LLMEngine
     from moestream.server.api import build_app, make_server
-    from moestream.server.serving import ServerConfig
+    from moestream.server.serving import ServerConfig, default_engine_threads
 
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         print(f"error: MODEL_DIR '{args.model_dir}' and --model '{args.model}' differ; give one", file=sys.stderr)
@@ -171,15 +186,17 @@ def _serve(args: argparse.Namespace) -> int:
             with open(chat_template) as f:
                 chat_template = f.read()
         names = tuple(args.served_model_name or [args.model if args.model is not None else DEMO_MODEL_NAME])
+        threads = default_engine_threads(args.device) if args.threads == "auto" else args.threads
         config = ServerConfig(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes,
-                              max_waiting_requests=args.max_waiting_requests, chat_template=chat_template)
+                              max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
+                              engine_threads=threads)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger(__name__).info("serving %s as %s on http://%s:%d/v1", engine.config.model,
-                                     ", ".join(names), args.host, args.port)
+    logging.getLogger(__name__).info("serving %s as %s on http://%s:%d/v1 (engine threads: %s)", engine.config.model,
+                                     ", ".join(names), args.host, args.port, threads or "torch default")
     make_server(build_app(engine, config), args.host, args.port, args.uvicorn_log_level).run()
     engine.save_routing_trace()
     return 0
