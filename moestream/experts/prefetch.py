@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from moestream.experts.store import PagedExpertStore
 
@@ -53,8 +55,6 @@ class PrefetchQueue:
             kept = [k for k in self.keys if k[0] != layer]
             self.keys = deque(kept)
             self.queued = set(kept)
-
-logger = logging.getLogger(__name__)
 
 
 def start_prefetch_worker(store: PagedExpertStore, queue: PrefetchQueue) -> threading.Thread:

@@ -69,10 +69,7 @@ def _budget(text: str) -> float | int:
 def _threads(text: str) -> int | str:
     if text == "auto":
         return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'") from None
+    n = int(text) if text.lstrip("-").isdigit() else 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'")
     return n
