@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from moestream.validation import is_int
+from moestream.validation import is_int, is_number
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 # Hybrid models: gated full attention + Gated DeltaNet linear attention + MoE with a shared expert.
@@ -115,9 +115,8 @@ class ModelConfig:
         """Read `config.json` in `model_dir` and normalise it.
 
         Raises:
-            ValueError: the directory or its config.json is missing or unreadable, the
-                `model_type` is not supported (the message lists the supported ones), or a
-                RoPE type is not supported.
+            ValueError: the directory or its config.json is missing or unreadable, or the
+                config is invalid (see `from_dict`; the message names the config.json path).
         """
         path = os.path.join(model_dir, "config.json")
         if not os.path.isdir(model_dir):
@@ -127,139 +126,268 @@ class ModelConfig:
         try:
             with open(path) as f:
                 hf = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read {path}: {e}") from e
-        return ModelConfig.from_dict(hf)
+        return ModelConfig.from_dict(hf, path)
 
     @staticmethod
-    def from_dict(hf: dict[str, Any]) -> "ModelConfig":
-        """Normalise an HF config dict (see `from_hf`)."""
+    def from_dict(hf: dict[str, Any], path: str | None = None) -> "ModelConfig":
+        """Normalise an HF config dict read from `path` (None: not from a file).
+
+        Raises:
+            ValueError: the `model_type` is not supported (the message lists the supported
+                ones), a RoPE type is not supported, `layer_types` is malformed, or a field
+                the model type needs is missing, null, of the wrong type (bools are not
+                numbers) or out of range. The message names the field and `path`.
+        """
+        where = f"config.json at {path}" if path else "config"
+        if not isinstance(hf, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         weight_prefix = "model."
-        if model_type == "qwen3_5_moe" and isinstance(hf.get("text_config"), dict):
-            # The multimodal class: the decoder is `model.language_model.`; vision is not loaded.
-            outer = hf
-            hf = {**hf["text_config"]}
-            for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
-                if hf.get(key) is None and outer.get(key) is not None:
-                    hf[key] = outer[key]
-            weight_prefix = "model.language_model."
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
-                f"unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{where}: unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        hidden = int(hf["hidden_size"])
-        heads = int(hf["num_attention_heads"])
-        num_layers = int(hf["num_hidden_layers"])
-        head_dim = hf.get("head_dim") or hidden // heads
+        f = _Fields(hf, where, _MODEL_NAMES[model_type])
+        if model_type == "qwen3_5_moe" and hf.get("text_config") is not None:
+            # The multimodal class: the decoder is `model.language_model.`; vision is not loaded.
+            text = dict(f.get("text_config", dict))
+            outer = [k for k in _SHARED_KEYS if text.get(k) is None and hf.get(k) is not None]
+            text.update({k: hf[k] for k in outer})
+            f = _Fields(text, where, f.model_name, "text_config.", {k: k for k in outer})
+            weight_prefix = "model.language_model."
+        hidden = f.integer("hidden_size", minimum=1)
+        heads = f.integer("num_attention_heads", minimum=1)
+        num_layers = f.integer("num_hidden_layers", minimum=1)
+        head_dim = f.integer("head_dim", default=None, minimum=1) or hidden // heads
         hybrid: dict[str, Any] = {}
         if model_type in HYBRID_MODEL_TYPES:
-            hybrid = _hybrid_from_hf(hf, model_type, num_layers, weight_prefix)
-            num_experts = int(hf["num_experts"])
+            hybrid = _hybrid_from_hf(f, model_type, num_layers, weight_prefix)
+            num_experts = hybrid.pop("num_experts")
             moe_layers = hybrid.pop("moe_layers")
-            moe_inter = int(hf["moe_intermediate_size"])
+            moe_inter = f.integer("moe_intermediate_size", minimum=1)
             norm_topk = hybrid.pop("norm_topk_prob")
             qk_norm = True
             sliding = None
         elif model_type == "qwen3_moe":
-            num_experts = int(hf.get("num_experts") or hf.get("num_local_experts"))
-            step = int(hf.get("decoder_sparse_step", 1))
-            mlp_only = set(hf.get("mlp_only_layers") or [])
-            moe_layers = tuple(
-                (i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
-            )
-            moe_inter = int(hf["moe_intermediate_size"])
-            norm_topk = bool(hf.get("norm_topk_prob", False))
+            num_experts = f.integer("num_experts", "num_local_experts", minimum=0)
+            moe_layers = _sparse_layers(f, num_layers, num_experts)
+            moe_inter = f.integer("moe_intermediate_size", minimum=1)
+            norm_topk = f.flag("norm_topk_prob", default=False)
             qk_norm = True
-            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+            use_sliding = f.flag("use_sliding_window", default=False)
+            sliding = f.integer("sliding_window", default=None, minimum=0) if use_sliding else None
         else:  # mixtral
-            num_experts = int(hf["num_local_experts"])
+            num_experts = f.integer("num_local_experts", minimum=1)
             moe_layers = (True,) * num_layers
-            moe_inter = int(hf["intermediate_size"])
+            moe_inter = f.integer("intermediate_size", minimum=1)
             norm_topk = True
             qk_norm = False
-            sliding = hf.get("sliding_window")
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            sliding = f.integer("sliding_window", default=None, minimum=0)
+        dense = not all(moe_layers)  # the dense MLP's intermediate_size is needed only then
+        eos = f.get("eos_token_id", (int, list), default=None)
+        eos_ids = f.integers("eos_token_id") if isinstance(eos, list) else (() if eos is None else (eos,))
         return ModelConfig(
             model_type=model_type,
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=f.integer("vocab_size", minimum=1),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(hf.get("intermediate_size") or 0),
+            num_kv_heads=f.integer("num_key_value_heads", default=heads, minimum=1),
+            head_dim=head_dim,
+            intermediate_size=f.integer("intermediate_size", default=_REQUIRED if dense else 0, minimum=int(dense)),
             moe_intermediate_size=moe_inter,
             num_experts=num_experts,
-            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            num_experts_per_tok=f.integer("num_experts_per_tok", minimum=1),
             norm_topk_prob=norm_topk,
             moe_layers=moe_layers,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
+            rope=_rope_from_hf(f),
+            max_position_embeddings=f.integer("max_position_embeddings", default=4096, minimum=1),
             qk_norm=qk_norm,
-            attention_bias=bool(hf.get("attention_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            hidden_act=str(hf.get("hidden_act", "silu")),
-            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            attention_bias=f.flag("attention_bias", default=False),
+            sliding_window=sliding or None,
+            tie_word_embeddings=f.flag("tie_word_embeddings", default=False),
+            hidden_act=f.get("hidden_act", str, default="silu"),
+            torch_dtype=f.get("torch_dtype", str, default=None) or f.get("dtype", str, default=None),
             eos_token_ids=eos_ids,
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=f.integer("bos_token_id", default=None),
             **hybrid,
         )
 
 
-def _hybrid_from_hf(hf: dict[str, Any], model_type: str, num_layers: int, weight_prefix: str) -> dict[str, Any]:
+_MODEL_NAMES: dict[str, str] = {
+    "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen3_next": "Qwen3-Next",
+    "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_5_moe_text": "Qwen3.5-MoE",
+}
+_REQUIRED: Any = object()  # `default` of a field that must be present
+# Keys of Qwen3.5-MoE's multimodal config that the decoder takes from the outer config when its text_config lacks them.
+_SHARED_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+
+
+class _Fields:
+    """Typed reads of an HF config dict: the one place its values are checked.
+
+    Every error is a ValueError naming `where` (the config.json path) and the field:
+    `names[key]` when given (a key taken from elsewhere in the file), else `prefix` + key.
+    """
+
+    def __init__(self, hf: dict[str, Any], where: str, model_name: str, prefix: str = "",
+                 names: dict[str, str] | None = None) -> None:
+        self.hf, self.where, self.model_name, self.prefix, self.names = hf, where, model_name, prefix, names or {}
+
+    def name(self, key: str) -> str:
+        """How errors name field `key`."""
+        return self.names.get(key, self.prefix + key)
+
+    def error(self, key: str, problem: str) -> ValueError:
+        """The error for field `key`: '<where>: field '<name>' <problem>'."""
+        return ValueError(f"{self.where}: field '{self.name(key)}' {problem}")
+
+    def get(self, key: str, kind: type | tuple[type, ...], *alternatives: str, default: Any = _REQUIRED) -> Any:
+        """The value of the first of `key`, `*alternatives` that is set (not missing or null),
+        checked to be of `kind`; `default` when none is set.
+
+        Raises:
+            ValueError: none is set and there is no default, or the value is not of `kind`.
+        """
+        for k in (key, *alternatives):
+            value = self.hf.get(k)
+            if value is None:
+                continue
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                names = _KIND_NAMES.get(kind) or " or ".join(_KIND_NAMES.get(t, t.__name__) for t in kinds)
+                raise self.error(k, f"must be {names}, got {type(value).__name__} {value!r}")
+            return value
+        if default is not _REQUIRED:
+            return default
+        also = "".join(f" (or '{self.name(a)}')" for a in alternatives)
+        state = "null" if key in self.hf else "missing"
+        needed = f"a {self.model_name} config needs it"
+        raise ValueError(f"{self.where}: field '{self.name(key)}'{also} is {state}; {needed}")
+
+    def integer(self, key: str, *alternatives: str, default: Any = _REQUIRED, minimum: int | None = None) -> Any:
+        """An integer field (not a bool), at least `minimum` when given. See `get`."""
+        value = self.get(key, int, *alternatives, default=default)
+        if minimum is not None and is_int(value) and value < minimum:
+            used = next(k for k in (key, *alternatives) if self.hf.get(k) is not None)
+            raise self.error(used, f"must be at least {minimum}, got {value}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A finite number (int or float, not a bool), as a float. See `get`."""
+        value = self.get(key, (int, float), default=default)
+        if is_number(value) or value is None:
+            return value if value is None else float(value)
+        raise self.error(key, f"must be a finite number, got {value!r}")
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A JSON true/false field. See `get`."""
+        return self.get(key, bool, default=default)
+
+    def integers(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A list of integers, as a tuple. See `get`."""
+        value = self.get(key, list, default=default)
+        if not isinstance(value, list):
+            return value
+        if not all(is_int(v) for v in value):
+            raise self.error(key, f"must be a list of integers, got {value!r}")
+        return tuple(value)
+
+
+_KIND_NAMES: dict[type | tuple[type, ...], str] = {
+    int: "an integer", (int, float): "a number", (int, list): "an integer or a list of integers",
+    bool: "true or false", str: "a string", list: "a list", dict: "an object",
+}
+
+
+def _sparse_layers(f: _Fields, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+    """Which layers are MoE, from `decoder_sparse_step` and `mlp_only_layers` (Qwen3-MoE, Qwen3-Next)."""
+    step = f.integer("decoder_sparse_step", default=1, minimum=1)
+    mlp_only = set(f.integers("mlp_only_layers", default=()))
+    return tuple((i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _hybrid_from_hf(f: _Fields, model_type: str, num_layers: int, weight_prefix: str) -> dict[str, Any]:
     """Qwen3-Next / Qwen3.5-MoE fields (transformers' configuration_qwen3_next.py and
-    configuration_qwen3_5_moe.py, including their defaults)."""
-    layer_types = hf.get("layer_types")
+    configuration_qwen3_5_moe.py, including their defaults).
+
+    Raises:
+        ValueError: `layer_types` is malformed, or a field is missing or mistyped (see `_Fields`).
+    """
+    layer_types = f.get("layer_types", list, default=None)
     if layer_types is None:
-        interval = int(hf.get("full_attention_interval", 4))
+        interval = f.integer("full_attention_interval", default=4, minimum=1)
         layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
-        raise ValueError(
-            f"layer_types must list 'full_attention' or 'linear_attention' for each of the {num_layers} layers; "
-            f"got {layer_types}"
+    if len(layer_types) != num_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
+        raise f.error(
+            "layer_types",
+            f"must list 'full_attention' or 'linear_attention' for each of the {num_layers} layers; got {layer_types}",
         )
     if model_type == "qwen3_next":
-        step = int(hf.get("decoder_sparse_step", 1))
-        mlp_only = set(hf.get("mlp_only_layers") or [])
-        num_experts = int(hf["num_experts"])
-        moe_layers = tuple((i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
-        norm_topk = bool(hf.get("norm_topk_prob", True))
+        num_experts = f.integer("num_experts", minimum=0)
+        moe_layers = _sparse_layers(f, num_layers, num_experts)
+        norm_topk = f.flag("norm_topk_prob", default=True)
     else:  # Qwen3.5-MoE: every layer is sparse, top-k always renormalised
+        num_experts = f.integer("num_experts", minimum=1)
         moe_layers = (True,) * num_layers
         norm_topk = True
-    rope = {**(hf.get("rope_parameters") or {}), **(hf.get("rope_scaling") or {})}
+    rope = _rope_fields(f)
+    partial = rope.number("partial_rotary_factor", default=None)
     return dict(
+        num_experts=num_experts,
         moe_layers=moe_layers,
         norm_topk_prob=norm_topk,
         layer_types=tuple(layer_types),
-        linear_conv_kernel_dim=int(hf.get("linear_conv_kernel_dim", 4)),
-        linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
-        linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+        linear_conv_kernel_dim=f.integer("linear_conv_kernel_dim", default=4, minimum=1),
+        linear_key_head_dim=f.integer("linear_key_head_dim", default=128, minimum=1),
+        linear_value_head_dim=f.integer("linear_value_head_dim", default=128, minimum=1),
+        linear_num_key_heads=f.integer("linear_num_key_heads", default=16, minimum=1),
+        linear_num_value_heads=f.integer("linear_num_value_heads", default=32, minimum=1),
+        shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", default=0, minimum=0),
         attn_output_gate=True,
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))),
+        partial_rotary_factor=partial if partial is not None else f.number("partial_rotary_factor", default=0.25),
         norm_unit_offset=True,
         weight_prefix=weight_prefix,
     )
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    """Both HF layouts: v5 `rope_parameters` and v4 `rope_theta` + `rope_scaling`."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params.update(scaling)
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.pop("rope_type", params.pop("type", "default"))
+def _rope_fields(f: _Fields) -> _Fields:
+    """HF's v5 `rope_parameters` overlaid with v4 `rope_scaling`, as one `_Fields`."""
+    params = f.get("rope_parameters", dict, default={})
+    scaling = f.get("rope_scaling", dict, default={})
+    names = {k: f"{f.name('rope_scaling')}.{k}" for k in scaling}
+    return _Fields({**params, **scaling}, f.where, f.model_name, f.name("rope_parameters") + ".", names)
+
+
+# Numeric keys of the RoPE scaling types moestream implements (moestream/layers/rotary.py).
+_ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+                 "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow")
+
+
+def _rope_from_hf(f: _Fields) -> RopeConfig:
+    """Both HF layouts: v5 `rope_parameters` and v4 `rope_theta` + `rope_scaling`.
+
+    Raises:
+        ValueError: an unsupported rope type, or a mistyped rope field (see `_Fields`).
+    """
+    rope = _rope_fields(f)
+    params = dict(rope.hf)
+    theta = rope.number("rope_theta", default=None)
+    params.pop("rope_theta", None)
+    if theta is None:
+        theta = f.number("rope_theta", default=10000.0)
+    rope_type = rope.get("rope_type", str, "type", default="default")
+    params.pop("rope_type", None)
+    params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope type '{rope_type}' in config; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{f.where}: unsupported rope type '{rope_type}'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    for key in _ROPE_NUMBERS:
+        rope.number(key, default=None)
     return RopeConfig(rope_type=rope_type, theta=theta, params=tuple(sorted(params.items())))
 
 
@@ -314,6 +442,9 @@ class EngineConfig:
             swapped back in before their next forward. None = max_num_seqs.
         mamba_ssm_cache_dtype: dtype of the linear-attention recurrent state (vLLM's name):
             "float32" (default), "bfloat16", "float16" or "auto" (the model dtype).
+        generation_config: where default sampling parameters come from (vLLM's flag): "auto"
+            (default) the model's generation_config.json, "vllm" the built-in defaults only,
+            or a directory holding a generation_config.json.
     """
 
     model: str
@@ -334,6 +465,7 @@ class EngineConfig:
     record_routing: str | None = None
     max_resident_states: int | None = None
     mamba_ssm_cache_dtype: str = "float32"
+    generation_config: str = "auto"
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -365,6 +497,8 @@ class EngineConfig:
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"
             )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         if self.expert_policy not in ("lru", "lfu", "activation"):
             raise ValueError(f"unknown expert policy '{self.expert_policy}'; use lru, lfu or activation")
         if not is_int(self.seed):

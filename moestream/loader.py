@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
@@ -27,13 +28,21 @@ from moestream.models.registry import get_model_class
 logger = logging.getLogger(__name__)
 
 
+# The weight dtypes moestream reads; anything else (int8/int32/uint8/bool/float8 ...) is a quantized checkpoint.
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 class CheckpointReader:
     """Maps tensor names to the safetensors file holding them and reads them by name.
 
+    Every tensor moestream reads passes through `locate`, the one place its shape and dtype
+    are checked (dense weights and resident experts by `get`, paged experts by
+    `expert_locations`).
+
     Raises:
         ValueError: no safetensors files, an unreadable index, an unreadable or truncated
-            file, a missing tensor, or a tensor of the wrong shape. The message names the
-            file and the tensor.
+            file, a missing tensor, a tensor of the wrong shape, or one whose dtype is not
+            floating point (a quantized checkpoint). The message names the file and the tensor.
     """
 
     def __init__(self, model_dir: str) -> None:
@@ -51,41 +60,56 @@ class CheckpointReader:
             weight_map = {}
         if not files:
             raise ValueError(f"no *.safetensors files in '{model_dir}'; moestream reads safetensors checkpoints only")
+        self._headers: dict[str, dict[str, TensorLocation]] = {}
         self._handles = {}
         for name in files:
             path = os.path.join(model_dir, name)
+            # names the file, and the tensor that runs past its end if one does
+            self._headers[name] = read_safetensors_header(path)
             try:
                 self._handles[name] = safe_open(path, framework="pt", device="cpu")
             except Exception as e:  # safetensors raises its own error types for bad headers
-                read_safetensors_header(path)  # names the tensor that runs past the end, if one does
                 raise ValueError(f"cannot read safetensors file '{path}' (unreadable or truncated?): {e}") from e
         if not weight_map:
-            for name, h in self._handles.items():
-                for key in h.keys():
-                    weight_map[key] = name
+            weight_map = {key: name for name, header in self._headers.items() for key in header}
         self.weight_map = weight_map
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
-        """Read tensor `name`, checking it has `shape`. Returns a CPU tensor in the file's dtype."""
+    def locate(self, name: str, shape: Sequence[int]) -> TensorLocation:
+        """Where tensor `name` lies, checking it has `shape` and a floating-point dtype.
+
+        Raises:
+            ValueError: the tensor is missing, has another shape, or has a dtype outside
+                FLOAT_DTYPES (names the tensor, the file and the dtype).
+        """
         if name not in self.weight_map:
             raise ValueError(f"checkpoint '{self.model_dir}' has no tensor '{name}'")
-        fname = self.weight_map[name]
-        path = os.path.join(self.model_dir, fname)
-        handle = self._handles.get(fname)
-        if handle is None:
-            raise ValueError(f"tensor '{name}' is mapped to '{path}', which the index lists but is missing")
+        path = os.path.join(self.model_dir, self.weight_map[name])
+        loc = self._headers[self.weight_map[name]].get(name)
+        if loc is None:
+            raise ValueError(f"tensor '{name}' is mapped to '{path}' but that file does not hold it")
+        if list(loc.shape) != list(shape):
+            raise ValueError(f"tensor '{name}' in '{path}' has shape {list(loc.shape)}, expected {list(shape)}")
+        if loc.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"tensor '{name}' in '{path}' has dtype {str(loc.dtype).removeprefix('torch.')}; moestream loads only "
+                "floating-point weights (float32, bfloat16, float16, float64); quantized checkpoints are not supported"
+            )
+        return loc
+
+    def get(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        """Read tensor `name`, checked by `locate`. Returns a CPU tensor in the file's dtype.
+
+        Raises:
+            ValueError: see `locate`, or the tensor's bytes cannot be read.
+        """
+        loc = self.locate(name, shape)
         try:
-            got = list(handle.get_slice(name).get_shape())
-            if got != list(shape):
-                raise ValueError(f"tensor '{name}' in '{path}' has shape {got}, expected {list(shape)}")
-            return handle.get_tensor(name)
-        except ValueError:
-            raise
+            return self._handles[self.weight_map[name]].get_tensor(name)
         except Exception as e:
-            raise ValueError(f"cannot read tensor '{name}' from '{path}' (unreadable or truncated?): {e}") from e
+            raise ValueError(f"cannot read tensor '{name}' from '{loc.path}' (unreadable or truncated?): {e}") from e
 
 
 def build_model(
@@ -99,7 +123,8 @@ def build_model(
     the `store`'s (see `load_resident_experts` and `expert_locations`).
 
     Raises:
-        ValueError: see CheckpointReader.
+        ValueError: see CheckpointReader (a missing, misshapen or non-float tensor, or an
+            unreadable file).
     """
     with torch.device("meta"):
         model = get_model_class(cfg.model_type)(cfg, backend, store, device)
@@ -128,7 +153,12 @@ def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, 
 def load_resident_experts(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
 ) -> None:
-    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I])."""
+    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]).
+
+    Raises:
+        ValueError: see CheckpointReader (a missing, misshapen or non-float tensor, or an
+            unreadable file).
+    """
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
     with tqdm(total=len(moe_layers) * cfg.num_experts, desc="Loading experts", unit="expert", disable=None) as bar:
@@ -150,28 +180,16 @@ def expert_locations(
     """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
 
     Raises:
-        ValueError: a missing expert tensor, a wrong shape, or a corrupt file (names the
-            file and the tensor).
+        ValueError: see `CheckpointReader.locate` (a missing, misshapen or non-float tensor;
+            names the file and the tensor).
     """
-    headers: dict[str, dict[str, TensorLocation]] = {}
     inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
     out = {}
     for layer in (i for i, m in enumerate(cfg.moe_layers) if m):
         for e in range(cfg.num_experts):
-            locs = []
-            for name, shape in zip(_expert_names(cfg, layer, e), ((inter, hidden), (inter, hidden), (hidden, inter))):
-                if name not in reader:
-                    raise ValueError(f"checkpoint '{reader.model_dir}' has no tensor '{name}'")
-                path = os.path.join(reader.model_dir, reader.weight_map[name])
-                if path not in headers:
-                    headers[path] = read_safetensors_header(path)
-                loc = headers[path].get(name)
-                if loc is None:
-                    raise ValueError(f"tensor '{name}' is mapped to '{path}' but that file does not hold it")
-                if loc.shape != shape:
-                    raise ValueError(f"tensor '{name}' in '{path}' has shape {list(loc.shape)}, expected {list(shape)}")
-                locs.append(loc)
-            out[(layer, e)] = tuple(locs)
+            gate, up, down = _expert_names(cfg, layer, e)
+            out[(layer, e)] = (reader.locate(gate, (inter, hidden)), reader.locate(up, (inter, hidden)),
+                               reader.locate(down, (hidden, inter)))
     return out
 
 
@@ -179,7 +197,8 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """AutoTokenizer from the checkpoint directory.
 
     Raises:
-        ValueError: the directory has no usable tokenizer files.
+        ValueError: the directory has no usable tokenizer files, or transformers rejects its
+            config.json (AutoTokenizer reads it to choose the tokenizer class). One line.
     """
     vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in vocab_files):
@@ -190,8 +209,11 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
         )
     try:
         return AutoTokenizer.from_pretrained(model_dir)
+    except StrictDataclassError as e:  # a config.json field transformers validates, not a tokenizer file
+        path, detail = os.path.join(model_dir, "config.json"), " ".join(str(e).split())
+        raise ValueError(f"config.json at {path}: transformers rejects it: {detail}") from e
     except Exception as e:
         raise ValueError(
-            f"cannot load a tokenizer from '{model_dir}': {e}. The checkpoint directory must hold the "
-            "tokenizer files (tokenizer.json and tokenizer_config.json)"
+            f"cannot load a tokenizer from '{model_dir}': {' '.join(str(e).split())}. The checkpoint directory "
+            "must hold the tokenizer files (tokenizer.json and tokenizer_config.json)"
         ) from e

@@ -20,11 +20,12 @@ from moestream.experts.interface import ExpertWeights
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
+# safetensors dtype names -> torch. Non-float ones are parsed so that the loader can name them when it refuses them.
 _ST_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BOOL": torch.bool,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
 }
 
 
@@ -45,8 +46,9 @@ def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
     inside the file.
 
     Raises:
-        ValueError: unreadable file, corrupt header, unsupported dtype, or a tensor whose
-            bytes run past the end of the file (names the file and the tensor).
+        ValueError: unreadable file, corrupt header, a dtype torch has no type for, or a
+            tensor whose bytes run past the end of the file (names the file and the tensor).
+            Integer dtypes are parsed, not refused: `CheckpointReader.locate` refuses them.
     """
     try:
         size = os.path.getsize(path)
@@ -62,13 +64,20 @@ def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
+        try:
+            begin, end = info["data_offsets"]
+            st_dtype, shape = info["dtype"], tuple(info["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"corrupt safetensors header entry for tensor '{name}' in '{path}': {info!r}") from e
         if base + end > size:
             raise ValueError(f"tensor '{name}' in '{path}' ends at byte {base + end}, past the end of the file ({size} bytes)")
-        dtype = _ST_DTYPES.get(info["dtype"])
+        dtype = _ST_DTYPES.get(st_dtype)
         if dtype is None:
-            raise ValueError(f"tensor '{name}' in '{path}' has unsupported dtype {info['dtype']}")
-        out[name] = TensorLocation(path, name, base + begin, end - begin, dtype, tuple(info["shape"]))
+            raise ValueError(
+                f"tensor '{name}' in '{path}' has dtype {st_dtype}, which moestream cannot read; moestream loads only "
+                "floating-point weights (float32, bfloat16, float16, float64); quantized checkpoints are not supported"
+            )
+        out[name] = TensorLocation(path, name, base + begin, end - begin, dtype, shape)
     return out
 
 
