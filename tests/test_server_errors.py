@@ -221,9 +221,9 @@ def test_too_many_waiting_requests_get_503(small_server: LiveServer) -> None:
     assert "limit is 1" in error["message"] and refused.headers["retry-after"] == "1"
     assert waited.status_code == 200 and waited.json()["usage"]["completion_tokens"] >= 1
     small_server.wait_idle()
-    # n choices count as n waiting requests.
-    error = assert_openai_error(small_server.post("/v1/completions", json={**body, "n": 2}), 503)
-    assert error["code"] == "engine_overloaded"
+    # n choices count as n waiting requests: more than the limit can never be admitted (400, not 503).
+    error = assert_openai_error(small_server.post("/v1/completions", json={**body, "n": 2}), 400)
+    assert error["param"] == "n" and "could never be admitted" in error["message"]
 
 
 def test_chat_without_template_and_paged_expert_metrics(small_server: LiveServer) -> None:

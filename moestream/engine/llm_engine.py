@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 
 import torch
 
 from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from moestream.engine.input_processor import InputProcessor, PromptType
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request, RequestStatus
@@ -22,7 +22,9 @@ from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
+from moestream.generation_config import default_sampling_fields
 from moestream.layers.attention_backend import TorchAttentionBackend
+from moestream.layers.linear import cpu_has_native_bf16
 from moestream.loader import (
     CheckpointReader,
     build_model,
@@ -34,13 +36,27 @@ from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import Logprob, SamplingParams
-from moestream.validation import is_int
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | Sequence[int] | dict
+__all__ = ["LLMEngine", "PromptType"]
 
 _DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:
+    """The dtype `dtype="auto"` computes in: the checkpoint's, except bfloat16 / float16 on a
+    CPU without native bf16 matrix instructions (`cpu_has_native_bf16`, e.g. AVX2 only),
+    where torch's low-precision kernels run 2.5-4.7x slower than float32: there it is
+    float32 (weights take twice the memory; ask for dtype="bfloat16" to keep them small).
+    The choice is logged."""
+    if device.type == "cpu" and checkpoint_dtype in (torch.bfloat16, torch.float16) and not native_bf16:
+        logger.info("dtype auto: the checkpoint is %s, but this CPU has no native bf16/fp16 matrix instructions "
+                    "(AVX512-BF16 or AMX), where float32 is faster: computing in float32 (pass dtype=%r to keep %s)",
+                    str(checkpoint_dtype).removeprefix("torch."), str(checkpoint_dtype).removeprefix("torch."),
+                    str(checkpoint_dtype).removeprefix("torch."))
+        return torch.float32
+    return checkpoint_dtype
 
 
 class LLMEngine:
@@ -57,12 +73,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)
+        if config.dtype == "auto":
+            self.dtype = auto_compute_dtype(self.dtype, self.device, cpu_has_native_bf16())
+        self.default_sampling_fields = default_sampling_fields(config.generation_config, config.model)
+        if self.default_sampling_fields:
+            logger.info("default sampling parameters from the model's generation config: %s (they apply where a "
+                        "request leaves a field unset; generation_config='vllm' turns them off)",
+                        self.default_sampling_fields)
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{mcfg.max_position_embeddings}; lower --max-model-len"
+                f"{mcfg.max_position_embeddings}; lower max_model_len"
             )
+        self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len)
         model = self._load(mcfg)
         bs = config.block_size
         block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
@@ -176,43 +200,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A str is tokenized (with special tokens, as vLLM); {"prompt_token_ids": [...]} or a
-        list of ints is taken as is; {"prompt": str} is tokenized.
+        """(text or None, token ids) of a prompt: see `InputProcessor.process` (a str is
+        tokenized with special tokens, as vLLM).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
                 leaves no room for output under max_model_len, or an unknown prompt type.
         """
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-            text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, prompt
-        else:
-            raise ValueError(
-                "a prompt must be a str, a list of token ids, or a dict with 'prompt' (str) or "
-                f"'prompt_token_ids' (list of ints); got {type(prompt).__name__}"
-            )
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-        if text is not None and not isinstance(text, str):
-            raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        ids = [int(t) for t in ids]
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}; it must be at "
-                f"most {self.max_model_len - 1} tokens to leave room for output"
-            )
-        return text, ids
+        return self.input_processor.process(prompt)
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input, with

@@ -17,6 +17,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any
@@ -44,18 +45,26 @@ from moestream.server.protocol import (
     ModelList,
     ParamError,
 )
-from moestream.server.serving import APIError, ServerConfig
+from moestream.server.serving import APIError, ServerConfig, usage
 from moestream.server.serving_chat import OpenAIServingChat
 from moestream.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger(__name__)
+request_logger = logging.getLogger("moestream.server.requests")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics")
 
 
+def _printable(text: str | None) -> str | None:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate echoed from a request)
+    escaped, so that an error body can always be sent."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    """`error` as OpenAI's error JSON with its status."""
-    body = ErrorResponse(error=ErrorInfo(message=error.message, type=error.type, param=error.param, code=error.code))
+    """`error` as OpenAI's error JSON with its status (never raises on odd characters)."""
+    body = ErrorResponse(error=ErrorInfo(message=_printable(error.message), type=error.type,
+                                         param=_printable(error.param), code=error.code))
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
     return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
@@ -80,7 +89,9 @@ def validation_error(errors: Sequence[Any]) -> APIError:
 
 class _GuardMiddleware:
     """ASGI middleware in front of the routes: the API key (401) on /v1/*, the body-size
-    limit (413, read before the app sees the body), and the HTTP response counter."""
+    limit (413, read before the app sees the body), the HTTP response counter, a 500 for
+    any fault that escapes the app (counted like every other response), and the request log
+    (`enable_log_requests`)."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.app, self.config, self.metrics = app, config, metrics
@@ -90,17 +101,37 @@ class _GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"] if scope["path"] in ROUTES else "other"
+        start = time.perf_counter()
+        status = 0
 
         async def counting_send(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                self.metrics.on_http_response(path, message["status"])
+                status = message["status"]
+                self.metrics.on_http_response(path, status)
             await send(message)
 
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        scope.setdefault("state", {})
+        try:
+            await self._guarded(scope, receive, counting_send)
+        except Exception as e:
+            logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            if status == 0:  # nothing sent yet: answer 500 (and count it)
+                fault = APIError(500, f"Internal server error: {type(e).__name__}", type="server_error")
+                with suppress(Exception):
+                    await error_response(fault)(scope, receive, counting_send)
+        finally:
+            if self.config.enable_log_requests:
+                log_request(scope, status, time.perf_counter() - start)
+
+    async def _guarded(self, scope: Scope, receive: Receive, counting_send: Send) -> None:
+        raw_headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = self.config.api_key
         if key is not None and scope["path"].startswith("/v1"):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # Header values are bytes on the wire: compare them with the key's UTF-8 bytes, so
+            # that a non-ASCII key can match.
+            given = raw_headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode("utf-8")):
                 error = APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key")
                 await error_response(error)(scope, receive, counting_send)
@@ -108,7 +139,7 @@ class _GuardMiddleware:
         limit = self.config.max_request_body_bytes
         too_large = APIError(413, f"The request body is larger than the limit of {limit} bytes.",
                              code="request_too_large")
-        length = headers.get("content-length", "")
+        length = raw_headers.get(b"content-length", b"").decode("latin-1")
         if length.isdigit() and int(length) > limit:
             await error_response(too_large)(scope, receive, counting_send)
             return
@@ -133,6 +164,20 @@ class _GuardMiddleware:
             return await receive()  # after the body: blocks until the client disconnects
 
         await self.app(scope, replay, counting_send)
+
+
+def log_request(scope: Scope, status: int, seconds: float) -> None:
+    """One line of the request log (vLLM's --enable-log-requests): method, path, status
+    (0: no response was sent, the client left first), request id, prompt and output token
+    counts, latency in seconds. Generation routes leave `request_log` in the scope's state."""
+    record = scope.get("state", {}).get("request_log")
+    rid, tokens = "-", ""
+    if record is not None:
+        rid, stream, prompt_of = record
+        u = usage(stream.last, {r: prompt_of[r] for r in stream.last})
+        tokens = f" prompt_tokens={u.prompt_tokens} output_tokens={u.completion_tokens}"
+    request_logger.info("%s %s %d request_id=%s%s latency=%.3fs", scope["method"], _printable(scope["path"]),
+                        status, rid, tokens, seconds)
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -161,17 +206,47 @@ class _EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
+def find_invalid_unicode(data: Any, path: str = "") -> str | None:
+    """The dotted path (e.g. "messages.0.content") of the first string in parsed JSON that is
+    not valid Unicode (a lone surrogate such as "\\ud800", which JSON allows and UTF-8 cannot
+    encode), or None. Object keys are checked too; "" is the top level."""
+    stack: list[tuple[Any, str]] = [(data, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                at = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str) and find_invalid_unicode(key) is not None:
+                    return at
+                stack.append((item, at))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{i}" if where else str(i)) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """The JSON body validated as `model` (whatever the Content-Type, as OpenAI's API).
 
     Raises:
-        APIError: 400 for a body that is not JSON or does not validate (the field named).
+        APIError: 400 for a body that is not JSON, holds a string that is not valid Unicode
+            (a lone surrogate), or does not validate (the field named).
     """
     body = await request.body()
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"The body is not valid JSON: {e}") from None
+    bad = find_invalid_unicode(data)
+    if bad is not None:
+        where = _printable(bad) or "body"
+        raise APIError(400, f"{where}: the string is not valid Unicode (it holds a lone UTF-16 surrogate such as "
+                            "\\ud800); send UTF-8 text", param=where.split(".")[0])
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -258,7 +333,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+        cards = [ModelCard(id=name, root=config.served_model_names[0], max_model_len=engine.max_model_len)
                  for name in config.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -272,6 +347,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         if created is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         stream, base = created
+        request.state.request_log = (base, stream, {rid: i // req.n for i, rid in enumerate(stream.request_ids)})
         if req.stream:
             return _EventStreamResponse(serving.events(req, stream, base), lambda: async_engine.abort(stream))
         result = await _until_disconnect(request, serving.respond(req, stream, base))

@@ -10,13 +10,21 @@ event loop. Hand-off is by message passing only:
 
 So every request of every client joins the same continuous batch, the event loop stays
 responsive while a step runs, and only the engine thread ever touches the engine (its
-scheduler, caches and tokenizer).
+scheduler, caches and detokenizers). Prompts are tokenized before they reach the engine
+thread, by one tokenizer worker thread with its own copy of the tokenizer, so a huge
+prompt never stalls a step.
+
+Nothing a client does can end the engine thread: a command whose caller has gone is
+dropped (and the requests it added are aborted), and every command is guarded. If the
+thread dies of its own bug anyway, every stream in flight gets an EngineError, later
+adds are refused, and `is_running` (the server's /health) turns false.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import queue
 import threading
@@ -26,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from moestream.engine.input_processor import InputProcessor
 from moestream.engine.llm_engine import LLMEngine, PromptType
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
@@ -95,10 +104,10 @@ class OutputObserver(Protocol):
 
 @dataclass
 class _Add:
-    """Queue `items` (request id, prompt, params) all or none; `done` gets the outcome."""
+    """Queue `items` (request id, tokenized prompt, params) all or none; `done` gets the
+    outcome (a cancelled `done` means its caller is gone: the command is dropped)."""
 
-    items: list[tuple[str, PromptType, SamplingParams]]
-    add_special_tokens: bool
+    items: list[tuple[str, dict, SamplingParams]]
     done: concurrent.futures.Future
 
 
@@ -118,6 +127,10 @@ class RequestStream:
 
     Iterate it on the event loop: it yields each request's cumulative `RequestOutput` every
     time it grows, and ends when all have finished. Raises EngineError if the engine fails.
+
+    Outputs are cumulative, so a newer output of a request replaces one its reader has not
+    taken yet: a reader that falls behind (a client that stops reading) holds at most one
+    output per request, never a backlog, and gets the text it missed in the next delta.
     """
 
     def __init__(self, request_ids: Sequence[str]) -> None:
@@ -125,19 +138,36 @@ class RequestStream:
         self.unfinished = set(request_ids)
         self.last: dict[str, RequestOutput] = {}
         self.num_without_token = len(self.request_ids)
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: dict[str, RequestOutput] = {}  # request id -> newest output not yet read
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._pending.pop(item.request_id, None)  # keep arrival order: re-insert at the end
+            self._pending[item.request_id] = item
+        self._ready.set()
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs waiting for the reader (at most one per request)."""
+        return len(self._pending)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while self.unfinished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield item
+            if not self._pending and self._error is None:
+                self._ready.clear()
+                await self._ready.wait()
+            if self._pending:
+                rid = next(iter(self._pending))
+                item = self._pending.pop(rid)
+                if item.finished:
+                    self.unfinished.discard(rid)
+                yield item
+            elif self._error is not None:
+                raise self._error
 
 
 class AsyncLLMEngine:
@@ -158,6 +188,12 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None  # why the engine thread ended, if it did not stop cleanly
+        # Prompts are encoded by one worker thread with its own tokenizer (a fast tokenizer is
+        # not safe to share with the engine thread's detokenizers).
+        self.input_processor = InputProcessor(copy.deepcopy(engine.tokenizer), engine.model_config.vocab_size,
+                                              engine.max_model_len)
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
 
     @property
     def tokenizer(self) -> "PreTrainedTokenizerBase":
@@ -166,8 +202,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        """True while the engine thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will await the streams.
@@ -187,6 +223,7 @@ class AsyncLLMEngine:
             return
         self._inbox.put(_Stop())
         await asyncio.to_thread(self._thread.join)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         for stream in set(self._streams.values()):
             stream._put(EngineError("the server is shutting down"))
         self._streams.clear()
@@ -196,9 +233,11 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queue engine requests (request id, prompt, params) as one group, all or none.
 
-        `add_special_tokens=False` tokenizes str prompts without BOS & co (chat prompts,
-        whose template writes them). Returns the group's stream once the engine thread
-        has queued them.
+        Prompts are validated and tokenized first, on the tokenizer thread (an over-long text
+        is refused before it is tokenized); `add_special_tokens=False` tokenizes str prompts
+        without BOS & co (chat prompts, whose template writes them). Returns the group's
+        stream once the engine thread has queued them. If the caller is cancelled meanwhile
+        (client gone), whatever was queued is aborted.
 
         Raises:
             ValueError: a prompt or a parameter the engine rejects (prompt too long, too many
@@ -207,12 +246,18 @@ class AsyncLLMEngine:
         """
         if not self.is_running or self._loop is None:
             raise EngineError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens)
+        if not self.is_running:
+            raise EngineError("the engine is not running")
         stream = RequestStream([rid for rid, _, _ in items])
         for rid in stream.request_ids:
             self._streams[rid] = stream
         self.num_queued += len(stream.request_ids)
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Add(list(items), add_special_tokens, done))
+        self._inbox.put(_Add([(rid, p, params) for (rid, _, params), p in zip(items, prompts)], done))
+        if not self.is_running:  # it died just now: nobody will take the command
+            _settle(done, EngineError("the engine is not running"))
         try:
             await asyncio.wrap_future(done)
         except (ValueError, EngineError):
@@ -222,6 +267,18 @@ class AsyncLLMEngine:
             self.abort(stream)  # cancelled (client gone) while being queued: abort what was queued
             raise
         return stream
+
+    def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool) -> list[dict]:
+        """(tokenizer thread) Each item's prompt as {"prompt", "prompt_token_ids"}.
+
+        Raises:
+            ValueError: a prompt the input processor rejects.
+        """
+        out = []
+        for _, prompt, _ in items:
+            text, ids = self.input_processor.process(prompt, add_special_tokens)
+            out.append({"prompt": text, "prompt_token_ids": ids})
+        return out
 
     def abort(self, stream: RequestStream) -> None:
         """Abort the unfinished requests of `stream` at once; the engine thread frees their blocks
@@ -276,9 +333,18 @@ class AsyncLLMEngine:
             pass
 
     def _run(self) -> None:
-        if self.num_threads is not None:
-            # torch's intra-op thread count is per thread (OpenMP): set it where the engine runs.
-            torch.set_num_threads(self.num_threads)
+        """The engine thread: commands, then one step, until stopped. A command or a step that
+        raises is contained; anything else that ends the loop fails every stream in flight."""
+        try:
+            if self.num_threads is not None:
+                # torch's intra-op thread count is per thread (OpenMP): set it where the engine runs.
+                torch.set_num_threads(self.num_threads)
+            self._loop_until_stopped()
+        except BaseException as e:
+            logger.exception("the engine thread failed; the engine is stopped")
+            self._die(e)
+
+    def _loop_until_stopped(self) -> None:
         engine = self.engine
         stopping = False
         while not stopping:
@@ -291,13 +357,17 @@ class AsyncLLMEngine:
                 except queue.Empty:
                     break
             for cmd in commands:
-                if isinstance(cmd, _Add):
-                    self._add(cmd)
-                elif isinstance(cmd, _Abort):
-                    for rid in cmd.request_ids:
-                        engine.abort_request(rid)
-                else:
+                if isinstance(cmd, _Stop):
                     stopping = True
+                    continue
+                try:
+                    if isinstance(cmd, _Add):
+                        self._add(cmd)
+                    else:
+                        for rid in cmd.request_ids:
+                            engine.abort_request(rid)
+                except Exception:  # a command must never end the engine thread
+                    logger.exception("an engine command failed")
             if stopping:
                 for rid in list(engine.requests):
                     engine.abort_request(rid)
@@ -315,23 +385,39 @@ class AsyncLLMEngine:
                         self._post(self._dispatch, outputs)
             self.snapshot = take_snapshot(engine)
 
+    def _die(self, error: BaseException) -> None:
+        """(engine thread, on its way out) Refuse new work, fail the commands still queued and
+        every stream in flight, so no client waits forever."""
+        self._dead = error
+        failure = EngineError(f"the engine thread failed: {error!r}")
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                _settle(cmd.done, failure)
+        self._post(self._fail_all, failure)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for stream in set(self._streams.values()):
+            self._forget(stream)
+            stream._put(error)
+
     def _add(self, cmd: _Add) -> None:
-        """Validate every item, then queue them all (nothing is queued on error)."""
+        """Validate every item, then queue them all (nothing is queued on error). A command
+        whose caller has gone (its future cancelled) is dropped."""
+        if not _claim(cmd.done):
+            return  # the caller was cancelled before we got here: nothing to add, nobody to tell
         engine = self.engine
         try:
-            items = []
-            for rid, prompt, params in cmd.items:
+            for rid, _, params in cmd.items:
                 engine.check_params(params)
-                if isinstance(prompt, str) and not cmd.add_special_tokens:
-                    prompt = {"prompt": prompt,
-                              "prompt_token_ids": engine.tokenizer.encode(prompt, add_special_tokens=False)}
-                text, ids = engine.tokenize_prompt(prompt)  # tokenized once, here
                 if rid in engine.requests:
                     raise ValueError(f"request id '{rid}' is already in flight")
-                items.append((rid, {"prompt": text, "prompt_token_ids": ids}, params))
             added = []
             try:
-                for rid, prompt, params in items:
+                for rid, prompt, params in cmd.items:
                     engine.add_request(prompt, params, rid)
                     added.append(rid)
             except BaseException:
@@ -339,9 +425,32 @@ class AsyncLLMEngine:
                     engine.abort_request(rid)
                 raise
         except ValueError as e:
-            cmd.done.set_exception(e)
+            _settle(cmd.done, e)
         except Exception as e:
             logger.exception("adding a request failed")
-            cmd.done.set_exception(EngineError(f"adding the request failed: {e!r}"))
+            _settle(cmd.done, EngineError(f"adding the request failed: {e!r}"))
         else:
-            cmd.done.set_result(None)
+            _settle(cmd.done, None)
+
+
+def _claim(done: concurrent.futures.Future) -> bool:
+    """Mark `done` running, so its caller can no longer cancel it; False when it was
+    cancelled (the caller is gone) or is settled already."""
+    try:
+        return done.running() or done.set_running_or_notify_cancel()
+    except RuntimeError:  # settled already
+        return False
+
+
+def _settle(done: concurrent.futures.Future, error: BaseException | None) -> None:
+    """Give `done` its outcome (None: success); a future already settled or cancelled is
+    left as it is (its caller is gone), never an error on the engine thread."""
+    if not _claim(done):
+        return
+    try:
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -300,7 +300,8 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """A served model name, as /v1/models lists it (`root`: the checkpoint directory)."""
+    """A served model name, as /v1/models lists it (`root`: the server's first served model
+    name; the checkpoint's local path is never shown)."""
 
     id: str
     object: Literal["model"] = "model"

@@ -36,6 +36,8 @@ class ServerConfig:
         engine_threads: torch intra-op threads of the engine thread; None = torch's default
             (all cores). `moestream serve` leaves one core to the HTTP event loop on CPU
             (`default_engine_threads`).
+        enable_log_requests: log one line per HTTP request (method, path, status, request id,
+            prompt and output token counts, latency), as vLLM's `--enable-log-requests`.
     """
 
     served_model_names: tuple[str, ...]
@@ -44,6 +46,7 @@ class ServerConfig:
     max_waiting_requests: int = 1024
     chat_template: str | None = None
     engine_threads: int | None = None
+    enable_log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.engine_threads is not None and self.engine_threads < 1:
@@ -140,24 +143,31 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         choice: int) -> SamplingParams:
         """SamplingParams of choice `choice` (0-based) of a request. With a seed, choice i
-        uses seed + i, so that the n choices differ and choice 0 equals an offline run.
+        uses seed + i, so that the n choices differ and choice 0 equals an offline run. A
+        field the request leaves unset takes the model's generation_config.json value if it
+        has one (as vLLM), else the built-in default.
 
         Raises:
             APIError: 400 when SamplingParams rejects a value (the field is named).
         """
+        d = self.engine.engine.default_sampling_fields  # the model's generation_config.json, if any
+
+        def pick(value: object, name: str, builtin: object) -> object:
+            return value if value is not None else d.get(name, builtin)
+
         try:
             return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                temperature=pick(req.temperature, "temperature", 1.0),
+                top_p=pick(req.top_p, "top_p", 1.0),
+                top_k=pick(req.top_k, "top_k", 0),
+                min_p=pick(req.min_p, "min_p", 0.0),
                 seed=None if req.seed is None else req.seed + choice,
-                max_tokens=max_tokens,
+                max_tokens=pick(max_tokens, "max_tokens", None),
                 stop=req.stop,
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 logprobs=logprobs,
@@ -171,11 +181,16 @@ class OpenAIServing:
         """Queue the engine requests of one HTTP request, all or none.
 
         Raises:
-            APIError: 503 when they would exceed the waiting-request limit; 400 when the
-                engine rejects a prompt or parameter (e.g. a prompt longer than max_model_len);
-                500 when the engine is not running.
+            APIError: 503 when they would exceed the waiting-request limit now; 400 when they
+                are more than the limit (they never could be admitted), or when the engine
+                rejects a prompt or parameter (e.g. a prompt longer than max_model_len); 500
+                when the engine is not running.
         """
         limit = self.config.max_waiting_requests
+        if len(items) > limit:
+            raise APIError(400, f"This request asks for {len(items)} completions (prompts x n), more than the server's "
+                                f"waiting-request limit of {limit} (--max-waiting-requests), so it could never be "
+                                "admitted; send fewer prompts or a smaller n.", param="n")
         if self.engine.num_queued + len(items) > limit:
             raise APIError(503, f"The server is overloaded: {self.engine.num_queued} requests are waiting for "
                                 f"their first token and the limit is {limit}; retry later.",

@@ -1,0 +1,105 @@
+"""`InputProcessor`: a prompt (text, token ids, or a dict of either) -> validated token ids,
+rejecting over-long inputs before they are tokenized (as vLLM's InputPreprocessor /
+v1 Processor). It reads only the tokenizer and fixed limits, so the server runs it off the
+engine thread (on its own copy of the tokenizer): a huge prompt never stalls a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from moestream.validation import is_int
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PromptType = str | Sequence[int] | dict
+
+
+def max_token_chars(tokenizer: "PreTrainedTokenizerBase") -> int:
+    """The most characters of text any one token of `tokenizer` stands for (an upper bound).
+
+    A vocabulary entry is at least as long as the text it decodes to: byte-level BPE spells
+    each byte as one character, SentencePiece spells text as is (and byte-fallback entries
+    like `<0x41>` are longer than their byte). So a text of C characters is at least
+    ceil(C / max_token_chars) tokens, which proves a prompt too long without tokenizing it.
+    """
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+class InputProcessor:
+    """Validates prompts and tokenizes text prompts.
+
+    Args:
+        tokenizer: encodes text prompts (its `encode`).
+        vocab_size: token ids must be in [0, vocab_size).
+        max_model_len: a prompt must leave room for one output token (tokens).
+    """
+
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_token_chars = max_token_chars(tokenizer)
+
+    def _check_length(self, num_tokens: int, what: str) -> None:
+        if num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {what} but max_model_len is {self.max_model_len}; it must be at most "
+                f"{self.max_model_len - 1} tokens to leave room for output"
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; a text too long to fit is refused before it is tokenized.
+
+        Raises:
+            ValueError: `text` has so many characters that it must be at least max_model_len
+                tokens (see `max_token_chars`).
+        """
+        at_least = math.ceil(len(text) / self.max_token_chars)
+        if at_least >= self.max_model_len:
+            self._check_length(at_least, f"{len(text)} characters, so at least {at_least} tokens (no token of this "
+                                         f"tokenizer is longer than {self.max_token_chars} characters),")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def process(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a prompt: a str is tokenized (with special
+        tokens unless `add_special_tokens=False`, as for chat prompts whose template writes
+        them); {"prompt_token_ids": [...]} or a list of ints is taken as is; {"prompt": str}
+        is tokenized. Length is checked before anything else, so an over-long input costs
+        no tokenization and no scan of its ids.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
+                leaves no room for output under max_model_len, or an unknown prompt type.
+        """
+        encode = False
+        if isinstance(prompt, str):
+            text, ids, encode = prompt, None, True
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text, ids, encode = prompt["prompt"], None, True
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(
+                "a prompt must be a str, a list of token ids, or a dict with 'prompt' (str) or "
+                f"'prompt_token_ids' (list of ints); got {type(prompt).__name__}"
+            )
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"'prompt' must be a str, got {type(text).__name__}")
+        if encode:
+            ids = self.encode(text, add_special_tokens)
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        self._check_length(len(ids), f"{len(ids)} tokens")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
+        return text, [int(t) for t in ids]
