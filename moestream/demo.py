@@ -17,6 +17,7 @@ def demo_model_path() -> str:
     path = str(resources.files("moestream") / "demo_model")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
-            f"the built-in demo model is missing from {path}; reinstall moestream, or pass --model DIR"
+            f"the built-in demo model is missing from {path}; reinstall moestream, or give a checkpoint directory "
+            "as the model"
         )
     return path

@@ -1,17 +1,28 @@
-"""The `moestream` command line: `moestream generate ...`, `moestream serve ...` (the
-OpenAI-compatible HTTP server) and `moestream trace-sim ...`."""
+"""The `moestream` command line: `moestream generate ...` (moestream/server/cli_generate.py),
+`moestream serve ...` (the OpenAI-compatible HTTP server) and `moestream trace-sim ...`.
+
+Only the standard library is imported at start, so that `--help` and argument errors answer
+at once; torch, transformers and the engine are imported inside the commands.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import socket
 import sys
-import time
+from typing import TYPE_CHECKING, Any
 
 from moestream import __version__
 
+if TYPE_CHECKING:
+    import uvicorn
+
 DEMO_MODEL_NAME = "moestream-demo"
+
+logger = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -52,6 +63,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "memory between their forwards (default: max-num-seqs)")
     h.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the linear-attention recurrent state; auto = the model dtype (default: float32)")
+    d = p.add_argument_group("sampling defaults")
+    d.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="where defaults for sampling fields a request leaves unset come from: auto = the model's "
+                        "generation_config.json (repetition_penalty, temperature, top_k, top_p, min_p, "
+                        "max_new_tokens), vllm = the built-in defaults only, or a directory holding a "
+                        "generation_config.json (default: auto)")
 
 
 def _budget(text: str) -> float | int:
@@ -66,7 +83,8 @@ def _budget(text: str) -> float | int:
         raise argparse.ArgumentTypeError(f"expected a fraction like 0.25 or a number of bytes, got '{text}'") from None
 
 
-def _threads(text: str) -> int | str:
+def parse_threads(text: str) -> int | str:
+    """`--threads`: a positive int, or 'auto'."""
     if text == "auto":
         return text
     n = int(text) if text.lstrip("-").isdigit() else 0
@@ -75,7 +93,25 @@ def _threads(text: str) -> int | str:
     return n
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
+def resolve_threads(value: int | str, device: str) -> int | None:
+    """The torch intra-op thread count for a `--threads` value: N as given; 'auto' is, on
+    CPU, the cores this process may run on less one (at least 1), and None (torch's
+    default) on an accelerator (serving.default_engine_threads).
+
+    Raises:
+        ValueError: `device` is not a torch device.
+    """
+    if value != "auto":
+        return int(value)
+    from moestream.server.serving import default_engine_threads
+
+    try:
+        return default_engine_threads(device)
+    except RuntimeError:  # torch.device("gpu")
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from the engine flags.
 
     Raises:
@@ -89,28 +125,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 expert_budget=args.expert_budget, expert_host_cache_bytes=args.expert_host_cache_bytes,
                 expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
                 expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
-                max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                generation_config=args.generation_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `moestream` argument parser with its generate, serve and trace-sim commands."""
+    from moestream.server.cli_generate import add_generate_parser
+
     parser = argparse.ArgumentParser(prog="moestream", description="Serve Mixture-of-Experts language models.")
     parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions for prompts and print them",
-                         description="Generate a completion for each prompt (batched together) and print it with tokens/s.")
-    gen.add_argument("prompts", nargs="+", help="one or more prompts")
-    gen.add_argument("--max-tokens", type=int, default=64, help="max new tokens per prompt (default: 64)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: 0)")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top probability (default: 0)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="sampling seed: the same seed gives the same output (default: none)")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0,
-                     help="penalise tokens already in the prompt or output; > 1 discourages repeats (default: 1)")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
-    add_engine_args(gen)
+    add_generate_parser(sub)
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /version, /metrics. "
@@ -118,22 +144,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
                      help="Hugging Face checkpoint directory; same as --model (default: the built-in demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    srv.add_argument("--port", type=int, default=8000,
+                     help="TCP port; checked before the model loads (default: 8000)")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1/* requests (default: no key)")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="model name(s) clients pass as 'model'; responses carry the first "
                           f"(default: MODEL_DIR as given, or '{DEMO_MODEL_NAME}' for the demo model)")
-    srv.add_argument("--chat-template", default=None,
-                     help="Jinja chat template (a file, or the template itself) overriding the tokenizer's")
+    srv.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                     help="Jinja chat template overriding the tokenizer's: a value containing '{{' or '{%%' is the "
+                          "template itself, any other value is the path of a file holding it (as vLLM)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="answer 503 when more engine requests than this (n choices count n) would be waiting "
                           "for their first token (default: 1024)")
     srv.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
                      help="answer 413 to larger request bodies (default: 10485760)")
-    srv.add_argument("--threads", type=_threads, default="auto", metavar="N|auto",
+    srv.add_argument("--threads", type=parse_threads, default="auto", metavar="N|auto",
                      help="torch threads of the engine (intra-op); auto: on CPU the cores available less one for the "
                           "HTTP event loop, at least 1; torch's default on an accelerator (default: auto)")
+    srv.add_argument("--enable-log-requests", action="store_true",
+                     help="log one line per request: method, path, status, request id, prompt and output tokens, "
+                          "latency (default: off)")
     srv.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's log level (default: info)")
@@ -146,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status:
+    0 done, 2 a bad flag, model or input (an `error: ...` line on stderr)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace-sim"]:
         from moestream.experts.trace import trace_sim_main
@@ -156,20 +189,120 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
-        return _generate(args)
+        from moestream.server.cli_generate import run_generate
+
+        try:
+            return run_generate(args)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         return _serve(args)
     return 2
 
 
-def _serve(args: argparse.Namespace) -> int:
-    """Load the engine, then serve until SIGINT/SIGTERM. Returns 0 after a graceful stop,
-    2 on a bad flag or model."""
-    from moestream.config import EngineConfig
-    from moestream.engine.llm_engine import LLMEngine
-    from moestream.server.api import build_app, make_server
-    from moestream.server.serving import ServerConfig, default_engine_threads
+def load_chat_template(value: str) -> str:
+    """The chat template text of a `--chat-template` value, as vLLM reads it: a value
+    containing '{{' or '{%' is the template itself; any other value is a file's path.
 
+    Raises:
+        ValueError: the file does not exist, or the text is not a valid Jinja template.
+        OSError: the file cannot be read.
+    """
+    if "{{" in value or "{%" in value:
+        text, where = value, "inline template"
+    else:
+        if not os.path.isfile(value):
+            raise ValueError(f"--chat-template file '{value}' does not exist "
+                             "(a value without '{{' or '{%' is the path of a template file)")
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+        where = f"template file '{value}'"
+    import jinja2
+
+    try:
+        _jinja_environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: the {where} is not a valid Jinja template: {e.message} "
+                         f"(line {e.lineno})") from None
+    return text
+
+
+def _jinja_environment() -> Any:
+    """A jinja2 Environment parsing what transformers' chat templates may use: loop
+    controls ({% break %}) and {% generation %}...{% endgeneration %} blocks."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """Parses transformers' {% generation %} block (its body renders as is)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    return jinja2.Environment(extensions=[jinja2.ext.loopcontrols, GenerationBlock])
+
+
+def _address(host: str, port: int) -> str:
+    """host:port, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn (asyncio) will, with SO_REUSEADDR, on every address the
+    host resolves to, then let go: a port another process listens on fails here, before the
+    model loads, rather than after.
+
+    Raises:
+        OSError: the address cannot be bound; the message names it and why.
+    """
+    where = _address(host, port)
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {where}: {e.strerror}") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # an address family this machine lacks: asyncio skips it too
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    reason = "address already in use (another process listens there; stop it or pick another --port)"
+                else:
+                    reason = e.strerror or str(e)
+                raise OSError(f"cannot listen on {where}: {reason}") from None
+
+
+def _log_once_bound(server: uvicorn.Server, model: str, names: tuple[str, ...], threads: int | None) -> None:
+    """Log "serving MODEL as NAMES on URLS" once `server` has bound its sockets (so never
+    when binding fails), with the port actually bound (--port 0 picks one)."""
+    startup = server.startup
+
+    async def startup_then_log(sockets: list[socket.socket] | None = None) -> None:
+        await startup(sockets=sockets)
+        bound = [sock.getsockname() for s in server.servers for sock in s.sockets]
+        urls = ", ".join(f"http://{_address(a[0], a[1])}/v1" for a in bound)
+        logger.info("serving %s as %s on %s (engine threads: %s)", model, ", ".join(names), urls,
+                    threads or "torch default")
+
+    server.startup = startup_then_log  # type: ignore[method-assign]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Check the flags, the port and the chat template, load the engine, then serve until
+    SIGINT/SIGTERM. Returns 0 after a graceful stop, 2 on a bad flag, port or model."""
     if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
         print(f"error: MODEL_DIR '{args.model_dir}' and --model '{args.model}' differ; give one", file=sys.stderr)
         return 2
@@ -178,55 +311,28 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-        chat_template = args.chat_template
-        if chat_template is not None and os.path.isfile(chat_template):
-            with open(chat_template) as f:
-                chat_template = f.read()
+        check_port_free(args.host, args.port)
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        from moestream.config import EngineConfig
+        from moestream.engine.llm_engine import LLMEngine
+        from moestream.server.serving import ServerConfig
+
         names = tuple(args.served_model_name or [args.model if args.model is not None else DEMO_MODEL_NAME])
-        threads = default_engine_threads(args.device) if args.threads == "auto" else args.threads
+        threads = resolve_threads(args.threads, args.device)
         config = ServerConfig(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
-                              engine_threads=threads)
+                              engine_threads=threads, enable_log_requests=args.enable_log_requests)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger(__name__).info("serving %s as %s on http://%s:%d/v1 (engine threads: %s)", engine.config.model,
-                                     ", ".join(names), args.host, args.port, threads or "torch default")
-    make_server(build_app(engine, config), args.host, args.port, args.uvicorn_log_level).run()
+    from moestream.server.api import build_app, make_server
+
+    server = make_server(build_app(engine, config), args.host, args.port, args.uvicorn_log_level)
+    _log_once_bound(server, str(engine.config.model), names, threads)
+    server.run()
     engine.save_routing_trace()
-    return 0
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from moestream import LLM, SamplingParams
-
-    try:
-        llm_kwargs = engine_kwargs(args)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
-                                repetition_penalty=args.repetition_penalty)
-        llm = LLM(**llm_kwargs)
-        start = time.perf_counter()
-        outputs = llm.generate(args.prompts, params)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    elapsed = time.perf_counter() - start
-    n = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for o in outputs:
-        print(f"--- prompt: {o.prompt!r}")
-        print(f"{o.prompt}{o.outputs[0].text}")
-        print(f"[{len(o.outputs[0].token_ids)} tokens, finish_reason={o.outputs[0].finish_reason}]")
-    print(f"--- {n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s")
-    stats = llm.expert_stats()
-    if not stats["resident"]:
-        print(f"--- experts: hit rate {stats['hit_rate']:.3f} ({stats['hits']} hits, {stats['misses']} misses), "
-              f"{stats['bytes_read'] / 2**20:.1f} MiB read, stalled {stats['stall_seconds']:.2f} s")
-    if args.record_routing:
-        llm.llm_engine.save_routing_trace()
-        print(f"--- routing trace written to {args.record_routing}")
     return 0
 
 
