@@ -45,6 +45,7 @@ class LLM:
         record_routing: str | None = None,
         max_resident_states: int | None = None,
         mamba_ssm_cache_dtype: str = "float32",
+        generation_config: str = "auto",
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -65,6 +66,7 @@ class LLM:
                 record_routing=record_routing,
                 max_resident_states=max_resident_states,
                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                generation_config=generation_config,
             )
         )
 
@@ -75,6 +77,13 @@ class LLM:
 
     def get_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` uses when given none: the built-in defaults, with the
+        fields the model's generation_config.json sets (repetition_penalty, temperature, top_k,
+        top_p, min_p, max_new_tokens) taking their place, as vLLM's `LLM`. An explicit
+        SamplingParams is used as given."""
+        return SamplingParams(**self.llm_engine.default_sampling_fields)
 
     def _add(
         self,
@@ -90,7 +99,7 @@ class LLM:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r:.80}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):

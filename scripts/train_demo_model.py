@@ -209,6 +209,9 @@ def main() -> int:
 
     os.makedirs(args.out, exist_ok=True)
     model.config.output_router_logits = False
+    # A small model repeats itself under greedy decoding; recommend a repetition penalty in
+    # generation_config.json, which HF generate and moestream (as vLLM) apply by default.
+    model.generation_config.repetition_penalty = 1.3
     model.to(torch.bfloat16).save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     metrics = {"steps": step, "tokens_seen": step * args.batch * args.seq_len, "parameters": n_params,

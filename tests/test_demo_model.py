@@ -31,12 +31,23 @@ def test_demo_model_ships_in_the_package() -> None:
 
 
 def test_greedy_matches_hf(demo_llm: LLM) -> None:
+    """Plain greedy, and greedy with the defaults of the demo's generation_config.json
+    (repetition_penalty 1.3), which HF's generate applies by default too."""
     from transformers import AutoModelForCausalLM
 
     prompt = "def fibonacci(n):"
-    ours = demo_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].token_ids
     hf = AutoModelForCausalLM.from_pretrained(demo_model_path(), dtype=torch.float32).eval()
     ids = torch.tensor([demo_llm.get_tokenizer().encode(prompt)])
+
+    ours = demo_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0].token_ids
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                      repetition_penalty=1.0)[0, ids.shape[1]:]
+    assert ours == ref.tolist()
+
+    defaults = demo_llm.get_default_sampling_params()
+    assert defaults.repetition_penalty == hf.generation_config.repetition_penalty == 1.3
+    defaults.temperature, defaults.max_tokens = 0.0, 24
+    ours = demo_llm.generate([prompt], defaults)[0].outputs[0].token_ids
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
     assert ours == ref.tolist()
 
