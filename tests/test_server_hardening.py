@@ -180,6 +180,30 @@ def test_lone_surrogate_is_a_400_naming_the_field(live_server: LiveServer, path:
     assert live_server.get("/health").status_code == 200
 
 
+def test_raw_surrogate_bytes_and_valid_pairs(live_server: LiveServer) -> None:
+    headers = {**AUTH, "Content-Type": "application/json"}
+    raw = b'{"model": "%s", "prompt": "a\xed\xa0\x80b", "max_tokens": 1}' % SERVED_MODEL.encode()
+    r = live_server.post("/v1/completions", content=raw, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    pair = '{"model": "%s", "prompt": "smile \\ud83d\\ude00", "max_tokens": 1}' % SERVED_MODEL
+    assert "\\ud83d\\ude00" in pair  # an escaped surrogate pair: valid Unicode
+    r = live_server.post("/v1/completions", content=pair.encode(), headers=headers)
+    assert r.status_code == 200, r.text
+
+
+def test_a_huge_prompt_list_is_refused_before_validation(live_server: LiveServer) -> None:
+    """A list longer than both max_model_len and the waiting limit is neither a prompt nor an
+    admissible batch: 400 before pydantic sees it (the body limit here is 64 KiB, so 20k ids)."""
+    body = {"model": SERVED_MODEL, "prompt": [1] * 20_000, "max_tokens": 1}
+    r = live_server.post("/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt: a list of 20000 items is too long")
+    # Just under the bound it is validated as usual (and refused as too long a prompt).
+    r = live_server.post("/v1/completions", json={**body, "prompt": [1] * 200}, headers=AUTH)
+    assert r.status_code == 400 and "max_model_len is 128" in r.json()["error"]["message"]
+
+
 def test_a_fault_is_a_counted_500(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     async def broken(*args: object, **kw: object) -> None:
         raise RuntimeError("boom \ud800")  # a message UTF-8 cannot encode, as an echoed input would be
