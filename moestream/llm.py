@@ -107,10 +107,12 @@ class LLM:
         else:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         engine = self.llm_engine
+        tokenized = []
         for p, sp in zip(prompts, params):
             engine.check_params(sp)
-            engine.tokenize_prompt(p)
-        return [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+            text, ids = engine.tokenize_prompt(p)  # tokenized once, here
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        return [engine.add_request(p, sp) for p, sp in zip(tokenized, params)]
 
     def generate(
         self,

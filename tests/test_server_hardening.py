@@ -28,7 +28,7 @@ from moestream.config import EngineConfig
 from moestream.engine.input_processor import InputProcessor
 from moestream.outputs import CompletionOutput, RequestOutput
 from moestream.server.async_engine import RequestStream, _Add
-from moestream.server.serving import ServerConfig
+from moestream.server.serving import OpenAIServing, ServerConfig
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 UNICODE_KEY = "clé-ü-密钥"
@@ -204,6 +204,19 @@ def test_a_huge_prompt_list_is_refused_before_validation(live_server: LiveServer
     assert r.status_code == 400 and "max_model_len is 128" in r.json()["error"]["message"]
 
 
+def test_a_chat_with_more_messages_than_tokens_is_refused_before_validation(live_server: LiveServer) -> None:
+    messages = [{"role": "user", "content": "a"}] * SERVER_MAX_MODEL_LEN
+    r = live_server.post("/v1/chat/completions", json={"model": SERVED_MODEL, "messages": messages}, headers=AUTH)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and error["message"] == (
+        f"messages: {SERVER_MAX_MODEL_LEN} messages and content parts cannot fit in max_model_len "
+        f"({SERVER_MAX_MODEL_LEN}) tokens")
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}] * 100}, {"role": "user", "content": "b"}] * 2
+    r = live_server.post("/v1/chat/completions", json={"model": SERVED_MODEL, "messages": parts}, headers=AUTH)
+    assert r.status_code == 400 and "204 messages and content parts" in r.json()["error"]["message"]
+
+
 def test_a_fault_is_a_counted_500(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
     async def broken(*args: object, **kw: object) -> None:
         raise RuntimeError("boom \ud800")  # a message UTF-8 cannot encode, as an echoed input would be
@@ -258,6 +271,28 @@ def test_n_over_the_waiting_limit_is_a_400(logged_server: LiveServer) -> None:
     assert r.status_code == 400
     r = logged_server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 2}, headers=key)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_requests_arriving_together_respect_the_waiting_limit(logged_server: LiveServer) -> None:
+    """Six submits in one event-loop turn against a limit of 2: before, each passed the check
+    because none was counted until its prompt was tokenized (an await)."""
+    engine = logged_server.async_engine
+    serving = OpenAIServing(engine, logged_server.config)
+
+    async def burst() -> list[object]:
+        results = await asyncio.gather(*(serving.submit([(f"burst-{i}", "hi", SamplingParams(max_tokens=1))], True,
+                                                        "prompt", ["prompt"]) for i in range(6)),
+                                       return_exceptions=True)
+        for r in results:
+            if isinstance(r, RequestStream):
+                async for _ in r:
+                    pass
+        return results
+
+    results = asyncio.run_coroutine_threadsafe(burst(), engine._loop).result(timeout=60)
+    assert [type(r).__name__ for r in results] == ["RequestStream"] * 2 + ["APIError"] * 4
+    assert all(r.status == 503 for r in results[2:])
+    logged_server.wait_idle()
 
 
 def test_request_log_has_one_line_per_request(logged_server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:

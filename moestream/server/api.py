@@ -240,23 +240,35 @@ _MAYBE_SURROGATE = re.compile(
 )
 
 
-def prompt_list_precheck(max_model_len: int, max_waiting_requests: int) -> Callable[[Any], None]:
-    """A check of the raw /v1/completions body, run before pydantic validates it: a `prompt`
-    list so long that it can be neither token ids (max_model_len) nor a batch of prompts the
-    waiting limit admits is refused at once, instead of spending a second validating a
-    million items on the event loop.
+def body_precheck(max_model_len: int, max_waiting_requests: int) -> Callable[[Any], None]:
+    """A check of the parsed JSON body, run before pydantic validates it (validating and
+    templating a million items holds the event loop for seconds): refuses at once
+    - a `prompt` list so long that it can be neither token ids (max_model_len) nor a batch
+      of prompts the waiting limit admits;
+    - `messages` with at least max_model_len entries (messages plus content parts): every
+      message of a chat template costs at least one token (its role marker).
 
     Raises (the returned function):
-        APIError: 400 naming `prompt`.
+        APIError: 400 naming `prompt` or `messages`.
     """
     limit = max(max_model_len, max_waiting_requests + 1)
 
     def check(data: Any) -> None:
-        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            return
+        prompt, messages = data.get("prompt"), data.get("messages")
         if isinstance(prompt, list) and len(prompt) >= limit:
             raise APIError(400, f"prompt: a list of {len(prompt)} items is too long: as token ids the prompt must "
                                 f"be under max_model_len ({max_model_len}), and as a batch of prompts it must not "
                                 f"exceed the waiting-request limit ({max_waiting_requests})", param="prompt")
+        if not isinstance(messages, list):
+            return
+        count = len(messages)
+        if count < max_model_len:
+            count += sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if count >= max_model_len:
+            raise APIError(400, f"messages: {count} messages and content parts cannot fit in max_model_len "
+                                f"({max_model_len}) tokens", param="messages")
 
     return check
 
@@ -324,7 +336,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async_engine = AsyncLLMEngine(engine, metrics, num_threads=config.engine_threads)
     metrics.bind(lambda: async_engine.snapshot, lambda: async_engine.num_queued)
     completion = OpenAIServingCompletion(async_engine, config)
-    precheck = prompt_list_precheck(engine.max_model_len, config.max_waiting_requests)
+    precheck = body_precheck(engine.max_model_len, config.max_waiting_requests)
     chat = OpenAIServingChat(async_engine, config)
 
     @asynccontextmanager
@@ -402,7 +414,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         """Body: ChatCompletionRequest."""
-        return await answer(chat, await parse_body(request, ChatCompletionRequest), request)
+        return await answer(chat, await parse_body(request, ChatCompletionRequest, precheck), request)
 
     return app
 

@@ -246,14 +246,20 @@ class AsyncLLMEngine:
         """
         if not self.is_running or self._loop is None:
             raise EngineError("the engine is not running")
-        loop = asyncio.get_running_loop()
-        prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens)
-        if not self.is_running:
-            raise EngineError("the engine is not running")
+        # Counted as queued before the first await, so that requests arriving together all
+        # see each other in `num_queued` (the server's waiting limit).
         stream = RequestStream([rid for rid, _, _ in items])
+        self.num_queued += len(stream.request_ids)
+        try:
+            loop = asyncio.get_running_loop()
+            prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens)
+            if not self.is_running:
+                raise EngineError("the engine is not running")
+        except BaseException:
+            self._forget(stream)
+            raise
         for rid in stream.request_ids:
             self._streams[rid] = stream
-        self.num_queued += len(stream.request_ids)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Add([(rid, p, params) for (rid, _, params), p in zip(items, prompts)], done))
         if not self.is_running:  # it died just now: nobody will take the command
