@@ -46,6 +46,7 @@ class LLM:
         max_resident_states: int | None = None,
         mamba_ssm_cache_dtype: str = "float32",
         generation_config: str = "auto",
+        max_logprobs: int = 20,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -67,6 +68,7 @@ class LLM:
                 max_resident_states=max_resident_states,
                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                 generation_config=generation_config,
+                max_logprobs=max_logprobs,
             )
         )
 

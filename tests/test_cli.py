@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -339,3 +340,15 @@ def test_generate_fills_unset_fields_from_generation_config(qwen3_moe_dir: str, 
     assert main(base + ["--generation-config", "vllm", str(d), "Hi"]) == 0
     assert calls[0][1][0].repetition_penalty == 1.0 and calls[0][1][0].top_k == 0
     capsys.readouterr()
+
+
+def test_max_logprobs_can_be_raised(qwen3_moe_dir: str, capsys: pytest.CaptureFixture) -> None:
+    argv = ["generate", "--model", qwen3_moe_dir, "--max-tokens", "2", "--max-model-len", "64", "--logprobs", "25"]
+    assert main(argv + ["Hi"]) == 2
+    assert "logprobs=25 is more than max_logprobs=20; ask for fewer or raise the engine's max_logprobs" in \
+        capsys.readouterr().err
+    assert main(argv[:1] + ["--max-logprobs", "30"] + argv[1:] + ["Hi"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if " | top: " in line]
+    assert len(lines) == 2
+    assert all(len(re.findall(r" -?\d+\.\d{3}(?:,|$)", line.split(" | top: ")[1])) == 25 for line in lines)

@@ -239,7 +239,7 @@ class LLMEngine:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"logprobs={params.logprobs} is more than max_logprobs={self.config.max_logprobs}; ask for fewer "
-                "or raise max_logprobs"
+                "or raise the engine's max_logprobs"
             )
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]

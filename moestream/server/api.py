@@ -82,7 +82,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
         return APIError(400, str(cause), param=cause.param)
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
-    message = f"{where}: {first.get('msg', 'invalid value')}"
+    # pydantic prefixes the messages of our own validators with "Value error, ".
+    message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return APIError(400, message, param=param)

@@ -32,11 +32,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer) "
                         "(default: the built-in demo model, a small MoE trained on Python's standard library)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype; auto = the checkpoint's torch_dtype (default: auto)")
+                   help="weight and activation dtype; auto = the checkpoint's torch_dtype, except that a bf16/fp16 "
+                        "checkpoint computes in float32 on a CPU without native bf16 (AVX2 only), where that is "
+                        "faster (default: auto)")
     g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default: cpu)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="max tokens per sequence, prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="max requests in one step (default: 64)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs a request may ask for per token (default: 20)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one step; longer prompts are prefilled in chunks (default: 2048)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: 16)")
@@ -126,7 +130,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
                 expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
                 max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                generation_config=args.generation_config)
+                generation_config=args.generation_config, max_logprobs=args.max_logprobs)
 
 
 def build_parser() -> argparse.ArgumentParser:

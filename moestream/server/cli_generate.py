@@ -68,7 +68,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                    help="sampling seed: the same seed gives the same output; choice i of --n uses seed + i "
                         "(default: none)")
     s.add_argument("--repetition-penalty", type=float, default=None,
-                   help="penalise tokens already in the prompt or output; > 1 discourages repeats (default: 1)")
+                   help="penalise tokens already in the prompt or output; > 1 discourages repeats (default: the "
+                        "model's generation_config.json value, else 1; the demo model's is 1.3)")
     s.add_argument("--presence-penalty", type=float, default=None,
                    help="in [-2, 2]: subtract this from the logit of every token already in the output (default: 0)")
     s.add_argument("--frequency-penalty", type=float, default=None,
