@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moestream import LLM, ModelConfig, SamplingParams
 from moestream.experts.policy import (
     POLICY_NAMES,
     BeladyPolicy,
@@ -198,3 +199,37 @@ def test_trace_sim_main_deepseek(capsys) -> None:
     assert trace_sim_main(args) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("trace: ") and out[2].split()[0] == "64" and len(out) == 3
+
+
+def test_hybrid_recording_with_fewer_state_slots_than_requests(hybrid_dir: str, tmp_path) -> None:
+    """5 requests, 2 state slots: each step runs in groups of at most 2 requests (one forward
+    each), and every forward's rows are recorded under their own (request, position)."""
+    prompts = [[(7 * i + 3 * j) % 500 + 10 for j in range(n)] for i, n in enumerate((1, 4, 9, 13, 6))]
+    params = SamplingParams(temperature=0.0, max_tokens=7)
+
+    def generate(**kw) -> tuple[LLM, list[list[int]]]:
+        llm = LLM(hybrid_dir, dtype="float32", max_model_len=64, **{"max_resident_states": 2, **kw})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return llm, [list(o.outputs[0].token_ids) for o in outs]
+
+    _, want = generate()
+    path = str(tmp_path / "routing.npz")
+    llm, got = generate(record_routing=path)
+    assert got == want
+    llm.llm_engine.save_routing_trace()
+    trace = RoutingTrace.load(path)
+    mcfg = ModelConfig.from_hf(hybrid_dir)
+    moe_layers = [i for i, m in enumerate(mcfg.moe_layers) if m]
+    # Computed tokens: the prompt and every output token but the last (sampled, never fed back).
+    computed = [len(p) + len(o) - 1 for p, o in zip(prompts, got)]
+    assert len(trace) == sum(computed) * len(moe_layers)
+    assert trace.num_key_accesses == len(trace) * mcfg.num_experts_per_tok
+    records = list(zip(trace.request.tolist(), trace.token.tolist(), trace.layer.tolist()))
+    assert sorted(records) == [(r, t, layer) for r, n in enumerate(computed) for t in range(n) for layer in moe_layers]
+    # Each row under its own (request, position): the same experts as one forward per step.
+    one, _ = generate(record_routing=str(tmp_path / "one.npz"), max_resident_states=None)
+    ref = one.llm_engine.recorder.to_trace()
+    ref_records = zip(ref.request.tolist(), ref.token.tolist(), ref.layer.tolist())
+    assert dict(zip(records, trace)) == dict(zip(ref_records, ref))
+    # ... though the 2-slot run made more forwards (MoE layer calls) than the 1-forward-per-step run.
+    assert len(llm.llm_engine.recorder.to_trace(per_step=True)) > len(one.llm_engine.recorder.to_trace(per_step=True))

@@ -10,6 +10,7 @@ import torch
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import Request
 from moestream.engine.state_pool import StatePool
+from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
 from moestream.layers.gated_delta_net import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
@@ -22,6 +23,10 @@ class ModelRunner:
 
     With a state pool, a step's requests run in groups of at most `state_pool.max_resident`
     (one forward each), their states made resident before each group.
+
+    With a routing `recorder`, each forward first names its rows to it (`begin_step`): row i
+    of the flat batch [T] is token `positions[i]` of its request, so the MoE layers' records
+    of that forward ([T, k] expert ids) land on the right (request, position).
     """
 
     def __init__(
@@ -32,12 +37,14 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         state_pool: StatePool | None = None,
+        recorder: RoutingRecorder | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.state_pool = state_pool
+        self.recorder = recorder
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -103,6 +110,8 @@ class ModelRunner:
             state_meta = StateMetadata(qsl, state_slots, torch.tensor(state_slots, dtype=torch.int64, device=dev))
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
+        if self.recorder is not None:
+            self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta)  # [T, H]
         if not samplers:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)

@@ -142,8 +142,10 @@ class RoutingRecorder:
     """Collects the router's choices during serving: one record per (request, token, layer).
 
     Either `record(request_ids, token_positions, layer, topk_ids)` per MoE layer call, or
-    `begin_step(request_ids, token_positions)` once per engine step and then
-    `record_layer(layer, topk_ids)` per MoE layer call (rows in the step's token order).
+    `begin_step(request_ids, token_positions)` once per model forward (the ModelRunner calls it
+    just before each forward: a hybrid model's step may run as several forwards, one per group
+    of resident states) and then `record_layer(layer, topk_ids)` per MoE layer call of that
+    forward (rows [T] in the forward's flat token order).
     """
 
     def __init__(self) -> None:
@@ -151,13 +153,13 @@ class RoutingRecorder:
         self._steps: list[Access] = []
         self._step_ids: tuple[list[str], list[int]] = ([], [])
 
-    def begin_step(self, request_ids: list[str], token_positions: list[int]) -> None:
-        """Name the rows of the coming `record_layer` calls: row i is token `token_positions[i]`
-        of request `request_ids[i]`."""
+    def begin_step(self, request_ids: Sequence[str], token_positions: Sequence[int]) -> None:
+        """Name the rows of the coming forward's `record_layer` calls: row i of its flat batch
+        [T] is token `token_positions[i]` [T] of request `request_ids[i]` [T]."""
         self._step_ids = (list(request_ids), list(token_positions))
 
     def record_layer(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """`record` with the ids given to the last `begin_step`."""
+        """`record` with the ids given to the last `begin_step`; `topk_ids` [T, k]."""
         self.record(*self._step_ids, layer, topk_ids)
 
     def record(self, request_ids: Sequence[str], token_positions: Sequence[int], layer: int,
