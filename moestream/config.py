@@ -445,6 +445,8 @@ class EngineConfig:
         generation_config: where default sampling parameters come from (vLLM's flag): "auto"
             (default) the model's generation_config.json, "vllm" the built-in defaults only,
             or a directory holding a generation_config.json.
+        enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of
+            recomputing them (vLLM's default: on). Hybrid models: not yet (off).
     """
 
     model: str
@@ -466,6 +468,7 @@ class EngineConfig:
     max_resident_states: int | None = None
     mamba_ssm_cache_dtype: str = "float32"
     generation_config: str = "auto"
+    enable_prefix_caching: bool = True
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -497,6 +500,8 @@ class EngineConfig:
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         if self.expert_policy not in ("lru", "lfu", "activation"):

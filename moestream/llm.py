@@ -47,6 +47,7 @@ class LLM:
         mamba_ssm_cache_dtype: str = "float32",
         generation_config: str = "auto",
         max_logprobs: int = 20,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -69,6 +70,7 @@ class LLM:
                 mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
                 generation_config=generation_config,
                 max_logprobs=max_logprobs,
+                enable_prefix_caching=enable_prefix_caching,
             )
         )
 
@@ -76,6 +78,11 @@ class LLM:
         """Expert-cache metrics: hit_rate, hits, misses, stall_seconds, bytes_read (bytes),
         per layer and per tier (see moestream.experts.metrics.ExpertStats)."""
         return self.llm_engine.expert_stats()
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache figures: enabled, queries and hits (prompt tokens of admitted
+        requests), hit_rate, evictions (blocks), cached_blocks."""
+        return self.llm_engine.prefix_cache_stats()
 
     def get_tokenizer(self):  # -> transformers.PreTrainedTokenizerBase
         return self.llm_engine.tokenizer

@@ -53,7 +53,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request's output so far (cumulative); `finished` once it has stopped."""
+    """A request's output so far (cumulative); `finished` once it has stopped.
+    `num_cached_tokens`: prompt tokens found in the prefix cache (not computed), as vLLM."""
 
     request_id: str
     prompt: str | None
@@ -61,3 +62,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0

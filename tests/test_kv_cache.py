@@ -37,7 +37,8 @@ def test_allocation_is_all_or_nothing() -> None:
     kv.free("a")
     kv.free("a")  # a second free is a no-op, never a double free
     assert kv.num_free_blocks == 3
-    assert kv.allocate_slots("b", 12) and kv.block_table("b") == [2, 0, 1]
+    # a's blocks went back last block first (leaves before parents): 2, then 1, 0.
+    assert kv.allocate_slots("b", 12) and kv.block_table("b") == [2, 1, 0]
 
 
 def test_zero_blocks_rejected() -> None:
@@ -49,3 +50,78 @@ def test_block_bytes() -> None:
     # K and V x 3 layers x 16 tokens x 2 heads x 16 dims x 4 bytes
     assert kv_block_bytes(3, 16, 2, 16, torch.float32) == 2 * 3 * 16 * 2 * 16 * 4
     assert kv_block_bytes(3, 16, 2, 16, torch.bfloat16) == 2 * 3 * 16 * 2 * 16 * 2
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+def _run(kv: KVCacheManager, rid: str, tokens: list[int]) -> list[int]:
+    """Admit `rid` as the scheduler does, compute all its tokens, cache its full blocks;
+    returns the hit blocks."""
+    hits = kv.get_computed_blocks(rid, tokens)
+    assert kv.allocate_slots(rid, len(tokens), hits)
+    kv.record_query(len(tokens), len(hits) * kv.block_size)
+    kv.cache_blocks(rid, tokens, len(tokens))
+    return hits
+
+
+def test_hits_are_the_longest_cached_prefix_and_never_the_last_token() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    a = list(range(100, 110))  # 2 full blocks + 2 tokens
+    assert _run(kv, "a", a) == [] and kv.block_table("a") == [0, 1, 2]
+    assert kv.num_cached_blocks == 2  # the partial third block is not cached
+    # Same first block, different second block: 1 block hit.
+    assert _run(kv, "b", a[:4] + [7, 7, 7, 7, 7]) == [0]
+    assert kv.block_table("b") == [0, 3, 4] and kv.ref_count(0) == 2
+    # Exactly 1 block + 1 token: hits 1 block (vLLM #40696); exactly 2 blocks: hits only 1
+    # (the last token is always computed); shorter than a block: 0.
+    assert _run(kv, "c", a[:5]) == [0]
+    assert _run(kv, "d", a[:8]) == [0]
+    assert _run(kv, "e", a[:3]) == []
+    assert kv.stats.queries == 10 + 9 + 5 + 8 + 3 and kv.stats.hits == 4 + 4 + 4
+    assert kv.stats.hit_rate == 12 / 35
+
+
+def test_freed_cached_blocks_are_hit_then_evicted_lru_leaves_first() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    a = [1, 2, 3, 4, 5, 6, 9]  # blocks 0, 1, 2 full; 3 holds the last token
+    _run(kv, "a", a)
+    assert kv.block_table("a") == [0, 1, 2, 3]
+    kv.free("a")
+    assert kv.num_free_blocks == 6 and kv.num_cached_blocks == 3
+    # Still hit after the free; taking the hit blocks back out of the free queue.
+    assert _run(kv, "b", a) == [0, 1, 2] and kv.block_table("b") == [0, 1, 2, 4]
+    kv.free("b")
+    # Free queue, head first: 5 (never used), 3 (a's last block), then b's blocks last first:
+    # 4, 2, 1, 0.
+    assert _run(kv, "c", [8, 8, 8, 8, 8]) == []
+    assert kv.block_table("c") == [5, 3, 4]
+    assert kv.stats.evictions == 0 and kv.num_cached_blocks == 3 + 2  # c cached its 2 full blocks
+    # The next one must evict: the leaf block 2 of prefix a goes before its parents 1 and 0.
+    assert _run(kv, "d", [6, 6, 6]) == []
+    assert kv.block_table("d") == [2, 1]
+    assert kv.stats.evictions == 2
+    # a's prefix now hits only its first block.
+    assert kv.get_computed_blocks("e", a) == [0]
+
+
+def test_a_held_block_is_never_evicted() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    _run(kv, "a", [1, 2, 3, 4, 5])  # holds 0, 1, 2
+    assert _run(kv, "b", [1, 2, 3, 4, 7]) == [0, 1]  # shares 0, 1; takes 3
+    assert kv.num_free_blocks == 0
+    assert not kv.allocate_slots("c", 2)  # nothing free: no held block is taken
+    kv.free("a")
+    assert kv.ref_count(0) == 1 and kv.ref_count(1) == 1 and kv.num_free_blocks == 1  # only a's own block 2
+    assert kv.allocate_slots("c", 2) and kv.block_table("c") == [2]
+    kv.free("b")
+    kv.free("c")
+    assert all(kv.ref_count(i) == 0 for i in range(4)) and kv.num_free_blocks == 4
+
+
+def test_prefix_caching_off_hits_nothing() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    _run(kv, "a", [1, 2, 3, 4, 5])
+    kv.free("a")
+    assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == [] and kv.num_cached_blocks == 0
+    assert kv.stats.queries == 0

@@ -48,11 +48,12 @@ def test_preempts_newest_running_request() -> None:
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert list(s.waiting) == [b] and s.running == [a]
     assert s.num_preemptions == 1
-    assert kv.block_table("a") == [0, 1, 2] and kv.num_free_blocks == 1
+    # b's blocks 2, 3 went back last first (3, then 2), so a's third block is 3.
+    assert kv.block_table("a") == [0, 1, 3] and kv.num_free_blocks == 1
     # b comes back (recompute: its 8 prompt tokens + 1 output token) once there is room.
     s.finish_request(a, RequestStatus.FINISHED_STOPPED)
     assert plan(s) == [("b", 9)]
-    assert kv.block_table("b") == [3, 0, 1]
+    assert kv.block_table("b") == [2, 3, 1]
 
 
 def test_request_preempts_itself_when_newest() -> None:

@@ -1,14 +1,25 @@
-"""Paged KV cache: block accounting (block pool, per-request block tables) and the
-cache tensors' size.
+"""Paged KV cache: block pool, per-request block tables, and prefix caching.
 
-The pool hands out block ids from a free queue (FIFO) and takes them back at the tail, so
-ids come out in a deterministic, testable order. The follow-up prefix-caching work keeps
-freed blocks' hashes here and evicts from the head of this queue (vLLM v1 kv_cache_manager).
+Follows vLLM v1's block pool and KV cache manager (vllm/v1/core/block_pool.py,
+kv_cache_manager.py):
+- a full block is identified by a chained hash: sha256(parent block's hash + its token ids);
+  equal hashes mean equal prefixes, so a new request reuses ("hits") the longest run of
+  cached blocks that starts its tokens;
+- blocks are reference-counted; a block whose count drops to 0 goes to the tail of the free
+  queue but keeps its hash, so it can still be hit until it is reused for new tokens
+  (evicted) from the head of the queue: least recently freed first, and since a request's
+  blocks are freed last-block-first, leaf blocks before their parents;
+- a block a request holds (count > 0) is never in the free queue, so never evicted.
+Without prefix caching the same pool hands out and takes back blocks, with no hashes.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -18,43 +29,173 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
-class KVCacheManager:
-    """Block pool and block tables.
+def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained hash of one full block: sha256 of the parent block's hash (b"" for the
+    first block) and the block's token ids (as int64). 32 bytes."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
-    `allocate_slots(request_id, num_tokens)` grows the request's block table to hold
-    `num_tokens` tokens, all or nothing; `free(request_id)` returns all its blocks.
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters (tokens, as vLLM's PrefixCacheStats).
+
+    Attributes:
+        queries: prompt tokens of the requests admitted (each admission counts once).
+        hits: of those, tokens found in the cache (not computed).
+        evictions: cached blocks reused for new tokens.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Block pool, block tables and the prefix cache.
+
+    `get_computed_blocks(request_id, token_ids)` finds the longest cached prefix;
+    `allocate_slots(request_id, num_tokens, computed_blocks)` grows the request's block table
+    to hold `num_tokens` tokens (taking the hit blocks first), all or nothing;
+    `cache_blocks(request_id, token_ids, num_computed_tokens)` registers the request's
+    blocks that are full and computed; `free(request_id)` gives all its blocks back.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: keep and hit full blocks' hashes.
+
+    Raises:
+        ValueError: fewer than one block.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
+        self._ref_count = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its full blocks so far
+        self._num_cached: dict[str, int] = {}  # request id -> leading blocks of its table that are cached
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones among them can still be hit)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash in the prefix cache (held or free)."""
+        return len(self._cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Ensure `request_id` has blocks for `num_tokens` tokens. Returns False, allocating
-        nothing, when the free pool is too small."""
-        table = self._tables.setdefault(request_id, [])
-        extra = self.blocks_needed(num_tokens) - len(table)
-        if extra > len(self._free):
-            if not table:
-                del self._tables[request_id]
+    def ref_count(self, block_id: int) -> int:
+        """Requests holding `block_id`."""
+        return self._ref_count[block_id]
+
+    def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first `num_blocks` full blocks of `token_ids` (memoised
+        per request; the tokens of a block never change once it is full)."""
+        hashes = self._hashes.setdefault(request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else b"", token_ids[i * bs:(i + 1) * bs]))
+        return hashes[:num_blocks]
+
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids`, in order; [] without prefix
+        caching. At most `len(token_ids) - 1` tokens are hit (as vLLM), so the last token is
+        always computed and gives the logits to sample from. Nothing is taken yet: pass the
+        result to `allocate_slots`."""
+        if not self.enable_prefix_caching or self._tables.get(request_id):
+            return []
+        hits = []
+        for h in self._block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request of `num_tokens` tokens of which `num_hit_tokens` hit."""
+        if self.enable_prefix_caching:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
+
+    def allocate_slots(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
+        """Ensure `request_id` has blocks for `num_tokens` tokens, its table starting with
+        `computed_blocks` (prefix hits, only for a request with no blocks yet). Returns
+        False, taking nothing, when the free pool is too small."""
+        table = self._tables.get(request_id)
+        if table is None:
+            table = []
+        elif computed_blocks:
+            raise ValueError(f"request '{request_id}' already has blocks; prefix hits apply only to a new request")
+        extra = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+        # Hit blocks that are free now leave the free queue when taken.
+        free_hits = sum(1 for b in computed_blocks if self._ref_count[b] == 0)
+        if extra > len(self._free) - free_hits:
             return False
-        table.extend(self._free.popleft() for _ in range(extra))
+        for block in computed_blocks:
+            if self._ref_count[block] == 0:
+                del self._free[block]
+            self._ref_count[block] += 1
+            table.append(block)
+        if computed_blocks:
+            self._num_cached[request_id] = len(computed_blocks)
+        for _ in range(max(extra, 0)):
+            block, _ = self._free.popitem(last=False)
+            h = self._block_hash[block]
+            if h is not None:  # evict: reused for new tokens
+                del self._cached[h]
+                self._block_hash[block] = None
+                self.stats.evictions += 1
+            self._ref_count[block] = 1
+            table.append(block)
+        self._tables[request_id] = table
         return True
 
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Register the blocks of `request_id` that are full and computed (the first
+        `num_computed_tokens` of `token_ids`) in the prefix cache. A block whose hash is
+        cached already (computed twice by requests running together) stays uncached."""
+        if not self.enable_prefix_caching or request_id not in self._tables:
+            return
+        num_full = num_computed_tokens // self.block_size
+        start = self._num_cached.get(request_id, 0)
+        if num_full <= start:
+            return
+        table = self._tables[request_id]
+        hashes = self._block_hashes(request_id, token_ids, num_full)
+        for i in range(start, num_full):
+            block, h = table[i], hashes[i]
+            if self._block_hash[block] is None and h not in self._cached:
+                self._cached[h] = block
+                self._block_hash[block] = h
+        self._num_cached[request_id] = num_full
+
     def free(self, request_id: str) -> None:
-        """Return all of `request_id`'s blocks to the tail of the free queue (no-op if it has none)."""
-        self._free.extend(self._tables.pop(request_id, ()))
+        """Give back all of `request_id`'s blocks (no-op if it has none): each whose count
+        drops to 0 goes to the tail of the free queue, last block first, keeping its hash."""
+        for block in reversed(self._tables.pop(request_id, ())):
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0:
+                self._free[block] = None
+        self._hashes.pop(request_id, None)
+        self._num_cached.pop(request_id, None)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

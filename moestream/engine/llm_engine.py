@@ -89,7 +89,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len)
         model = self._load(mcfg)
         bs = config.block_size
-        block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        self.kv_cache_block_bytes = block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
         blocks_per_seq = (self.max_model_len + bs - 1) // bs
         budget = config.kv_cache_memory_bytes
         if budget is None:
@@ -101,10 +101,14 @@ class LLMEngine:
                 f"sequence of max_model_len={self.max_model_len} needs {blocks_per_seq}; raise "
                 f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
             )
-        kv_cache = KVCacheManager(num_blocks, bs)
+        # Hybrid models need linear-attention state checkpoints to skip a prefix: not yet.
+        prefix_caching = config.enable_prefix_caching and not mcfg.is_hybrid
+        if config.enable_prefix_caching and mcfg.is_hybrid:
+            logger.info("prefix caching is off: it is not yet available for hybrid (linear-attention) models")
+        kv_cache = KVCacheManager(num_blocks, bs, prefix_caching)
         self.state_pool = self._make_state_pool(mcfg) if mcfg.is_hybrid else None
         self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.state_pool)
-        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool)
+        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -193,6 +197,13 @@ class LLMEngine:
         bytes_read, per-layer and per-tier figures."""
         return self.expert_store.stats()
 
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache figures: enabled, queries and hits (prompt tokens of admitted
+        requests), hit_rate, evictions (blocks), cached_blocks."""
+        kv = self.kv_cache
+        return {"enabled": kv.enable_prefix_caching, "queries": kv.stats.queries, "hits": kv.stats.hits,
+                "hit_rate": kv.stats.hit_rate, "evictions": kv.stats.evictions, "cached_blocks": kv.num_cached_blocks}
+
     @property
     def kv_cache(self) -> KVCacheManager:
         return self.scheduler.kv_cache
@@ -266,11 +277,6 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        if self.recorder is not None:
-            self.recorder.begin_step(
-                [r.request_id for r, n in sched.scheduled for _ in range(n)],
-                [p for r, n in sched.scheduled for p in range(r.num_computed_tokens, r.num_computed_tokens + n)],
-            )
         try:
             samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
             result = self.sampler(
@@ -290,6 +296,7 @@ class LLMEngine:
         # Only now, with nothing left that can fail, does the step's progress count.
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
+            self.kv_cache.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
         if result is None:
             return []
         now = time.monotonic()
@@ -359,4 +366,5 @@ class LLMEngine:
             req.arrival_time, req.first_token_time, req.last_token_time, req.finished_time,
             req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
         )
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics)
+        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics,
+                             req.num_cached_tokens or 0)

@@ -58,6 +58,7 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
 
     def __post_init__(self) -> None:

@@ -6,7 +6,8 @@ min(tokens left to compute, budget left). When the KV pool cannot hold a request
 tokens, the newest running request is preempted: its blocks are freed, its computed count
 reset to 0, and it goes back to the front of the waiting queue, to be recomputed later.
 Waiting requests are admitted while the budget, `max_num_seqs` and blocks allow, and only
-in a step that preempted nothing.
+in a step that preempted nothing; with prefix caching, an admitted request starts after the
+longest cached prefix of its tokens (`KVCacheManager.get_computed_blocks`).
 """
 
 from __future__ import annotations
@@ -80,9 +81,16 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            # A waiting request has nothing computed; its longest cached prefix is not recomputed.
+            hits = self.kv_cache.get_computed_blocks(req.request_id, req.token_ids)
+            num_hit = len(hits) * self.kv_cache.block_size
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv_cache.allocate_slots(req.request_id, num_hit + n, hits):
                 break
+            self.kv_cache.record_query(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

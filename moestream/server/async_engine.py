@@ -28,6 +28,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -63,6 +64,7 @@ class EngineSnapshot:
         num_resident_states, num_swapped_states: requests whose linear-attention state is
             on the device / in host memory.
         num_state_swap_ins: states swapped back in from host so far.
+        prefix_cache_stats: `LLMEngine.prefix_cache_stats()` (queries, hits, cached blocks).
     """
 
     num_running: int = 0
@@ -74,6 +76,7 @@ class EngineSnapshot:
     num_resident_states: int = 0
     num_swapped_states: int = 0
     num_state_swap_ins: int = 0
+    prefix_cache_stats: dict = field(default_factory=dict)
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -89,6 +92,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_resident_states=pool.num_resident() if pool is not None else 0,
         num_swapped_states=pool.num_swapped() if pool is not None else 0,
         num_state_swap_ins=pool.num_swap_ins if pool is not None else 0,
+        prefix_cache_stats=engine.prefix_cache_stats(),
     )
 
 
@@ -353,6 +357,7 @@ class AsyncLLMEngine:
     def _loop_until_stopped(self) -> None:
         engine = self.engine
         stopping = False
+        last_log, logged = time.monotonic(), (0, 0)
         while not stopping:
             commands = []
             if not engine.has_unfinished_requests():
@@ -390,6 +395,9 @@ class AsyncLLMEngine:
                     if outputs:
                         self._post(self._dispatch, outputs)
             self.snapshot = take_snapshot(engine)
+            now = time.monotonic()
+            if now - last_log >= STATS_LOG_INTERVAL:
+                last_log, logged = now, log_stats(self.snapshot, logged)
 
     def _die(self, error: BaseException) -> None:
         """(engine thread, on its way out) Refuse new work, fail the commands still queued and
@@ -437,6 +445,24 @@ class AsyncLLMEngine:
             _settle(cmd.done, EngineError(f"adding the request failed: {e!r}"))
         else:
             _settle(cmd.done, None)
+
+
+STATS_LOG_INTERVAL = 10.0  # seconds between the engine's periodic stats lines, as vLLM's
+
+
+def log_stats(snapshot: EngineSnapshot, last: tuple[int, int]) -> tuple[int, int]:
+    """Log one line of engine figures (running, waiting, KV cache use, prefix-cache hit rate
+    since the last line) when the prefix cache saw queries since then; returns the prefix
+    cache's (queries, hits) to pass next time."""
+    pc = snapshot.prefix_cache_stats
+    queries, hits = pc.get("queries", 0), pc.get("hits", 0)
+    if queries > last[0]:
+        used = snapshot.num_blocks - snapshot.num_free_blocks
+        logger.info("running %d, waiting %d requests; KV cache %.1f%% used; prefix cache hit rate %.1f%% "
+                    "(%.1f%% since the last line)", snapshot.num_running, snapshot.num_waiting,
+                    100 * used / max(snapshot.num_blocks, 1), 100 * hits / queries,
+                    100 * (hits - last[1]) / (queries - last[0]))
+    return queries, hits
 
 
 def _claim(done: concurrent.futures.Future) -> bool:

@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="max tokens per sequence, prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="max requests in one step (default: 64)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of a prompt prefix seen before instead of recomputing it; not yet for "
+                        "hybrid models (default: on)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs a request may ask for per token (default: 20)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -130,7 +133,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
                 expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
                 max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                generation_config=args.generation_config, max_logprobs=args.max_logprobs)
+                generation_config=args.generation_config, max_logprobs=args.max_logprobs,
+                enable_prefix_caching=args.enable_prefix_caching)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@ the `moestream:` prefix).
 Counted on the event loop as outputs are routed: requests finished (by reason), prompt
 and generation tokens, HTTP responses (by path and status); histograms of TTFT, TPOT,
 ITL and end-to-end latency (seconds). Read at scrape time from the engine thread's
-latest `EngineSnapshot`: running / waiting requests, KV blocks in use, and the expert
-store's hit rate, stall seconds and bytes read per tier.
+latest `EngineSnapshot`: running / waiting requests, KV blocks in use, prefix-cache queries
+and hits (tokens), and the expert store's hit rate, stall seconds and bytes read per tier.
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ class _EngineCollector(Collector):
         for tier in ("disk", "host"):
             tiers.add_metric([tier], float(per_tier.get(tier, 0)))
         yield tiers
+        pc = s.prefix_cache_stats
+        if pc.get("enabled"):
+            yield CounterMetricFamily("moestream:prefix_cache_queries",
+                                      "Prompt tokens of admitted requests looked up in the prefix cache.",
+                                      float(pc.get("queries", 0)))
+            yield CounterMetricFamily("moestream:prefix_cache_hits",
+                                      "Prompt tokens found in the prefix cache (not computed).", float(pc.get("hits", 0)))
+            yield GaugeMetricFamily("moestream:prefix_cache_blocks", "KV blocks held in the prefix cache.",
+                                    float(pc.get("cached_blocks", 0)))
         if s.num_state_slots:
             yield GaugeMetricFamily("moestream:state_slots_total",
                                     "Device slots for linear-attention states (hybrid models).", s.num_state_slots)

@@ -185,12 +185,20 @@ class ChatCompletionRequest(SamplingRequest):
 # ---- responses ------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's `usage.prompt_tokens_details`: `cached_tokens` = prompt tokens found in the
+    prefix cache (not computed)."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     """Token counts: each prompt once, every choice's completion tokens."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogProbs(BaseModel):

@@ -18,7 +18,7 @@ from moestream.engine.llm_engine import PromptType
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import Logprob, SamplingParams
 from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
-from moestream.server.protocol import SamplingRequest, UsageInfo
+from moestream.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,18 @@ def top_logprobs(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]
 
 
 def usage(outputs: dict[str, RequestOutput], prompt_of: dict[str, int]) -> UsageInfo:
-    """Usage over the outputs: each distinct prompt counted once, every choice's tokens."""
+    """Usage over the outputs: each distinct prompt counted once (its cached tokens: the most
+    any of its choices found in the prefix cache), every choice's tokens."""
     prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int] = {}
     completion = 0
     for rid, out in outputs.items():
         prompt_tokens[prompt_of[rid]] = len(out.prompt_token_ids)
+        cached[prompt_of[rid]] = max(cached.get(prompt_of[rid], 0), out.num_cached_tokens)
         completion += len(out.outputs[0].token_ids)
     p = sum(prompt_tokens.values())
-    return UsageInfo(prompt_tokens=p, completion_tokens=completion, total_tokens=p + completion)
+    return UsageInfo(prompt_tokens=p, completion_tokens=completion, total_tokens=p + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
 
 
 def sse(payload: BaseModel | str) -> str:
