@@ -10,10 +10,11 @@ import time
 import torch
 
 from moestream.config import EngineConfig, ModelConfig, resolve_dtype
-from moestream.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import InputProcessor, PromptType
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
 from moestream.engine.model_runner import ModelRunner
+from moestream.engine.output_processor import OutputProcessor
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
 from moestream.engine.state_pool import StatePool
@@ -33,9 +34,9 @@ from moestream.loader import (
     load_tokenizer,
 )
 from moestream.models.moe_decoder import MoEForCausalLM
-from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
-from moestream.sampling_params import Logprob, SamplingParams
+from moestream.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -264,7 +266,7 @@ class LLMEngine:
             return None
         self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
         req.finished_time = time.monotonic()
-        return self._output(req)
+        return self.output_processor.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -308,63 +310,10 @@ class LLMEngine:
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
                 req.finished_time = now
             else:
-                self._append_token(req, token, lps, now)
-            outputs.append(self._output(req))
+                status = self.output_processor.append_token(req, token, lps, now)
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                    req.finished_time = now
+                    self.requests.pop(req.request_id, None)
+            outputs.append(self.output_processor.make_output(req))
         return outputs
-
-    def _append_token(self, req: Request, token: int, lps: list[tuple[int, float, int]] | None, now: float) -> None:
-        sp = req.sampling_params
-        req.token_ids.append(token)
-        req.first_token_time = req.first_token_time or now
-        req.last_token_time = now
-        if lps is not None:
-            entry = {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in reversed(lps)}
-            if req.logprobs is None:
-                req.logprobs = []
-            req.logprobs.append(entry)
-            req.cumulative_logprob = (req.cumulative_logprob or 0.0) + lps[0][1]
-        status = None
-        if not sp.ignore_eos and token in self.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif token in sp.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        if status is None or sp.include_stop_str_in_output:
-            # A stop token's text is left out unless include_stop_str_in_output (as vLLM v1).
-            delta = req.detokenizer.add_token(token)
-            req.output_text += delta
-            if status is None and sp.stop:
-                hit = find_stop_string(req.output_text, len(delta), sp.stop, sp.include_stop_str_in_output)
-                if hit is not None:
-                    status, req.stop_reason = RequestStatus.FINISHED_STOPPED, hit[0]
-                    req.output_text = req.output_text[: hit[1]]
-        if status is None and (
-            (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or req.num_tokens >= self.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            self.scheduler.finish_request(req, status)
-            req.finished_time = now
-            self.requests.pop(req.request_id, None)
-
-    def _output(self, req: Request) -> RequestOutput:
-        finished = req.status.is_finished
-        text = req.output_text
-        if not finished and req.sampling_params.stop:
-            # Hold back text that may be the start of a stop string (vLLM's stop_buffer_length).
-            hold = max(len(s) for s in req.sampling_params.stop) - 1
-            text = text[: max(len(text) - hold, 0)]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        metrics = RequestMetrics(
-            req.arrival_time, req.first_token_time, req.last_token_time, req.finished_time,
-            req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
-        )
-        return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics,
-                             req.num_cached_tokens or 0)
