@@ -115,13 +115,7 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
         else:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
-        engine = self.llm_engine
-        tokenized = []
-        for p, sp in zip(prompts, params):
-            engine.check_params(sp)
-            text, ids = engine.tokenize_prompt(p)  # tokenized once, here
-            tokenized.append({"prompt": text, "prompt_token_ids": ids})
-        return [engine.add_request(p, sp) for p, sp in zip(tokenized, params)]
+        return self.llm_engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
 
     def generate(
         self,

@@ -167,3 +167,23 @@ def test_first_llm_in_a_fresh_process_is_freed_without_gc(qwen3_moe_dir: str) ->
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "freed", out.stderr[-2000:]
+
+
+def test_add_requests_is_all_or_none(llm: LLM) -> None:
+    from moestream import SamplingParams
+
+    engine = llm.llm_engine
+    before = set(engine.requests)
+    free = engine.kv_cache.num_free_blocks
+    good = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match="prompt token ids must be ints"):
+        engine.add_requests([("aon-1", "hello", good), ("aon-2", [10**9], good)])
+    with pytest.raises(ValueError, match="unique within one call"):
+        engine.add_requests([("aon-1", "hello", good), ("aon-1", "again", good)])
+    assert set(engine.requests) == before and engine.kv_cache.num_free_blocks == free
+    assert engine.add_requests([("aon-1", "hello", good), (None, [5, 6], good)])[0] == "aon-1"
+    with pytest.raises(ValueError, match="'aon-1' is already in flight"):
+        engine.add_requests([("aon-3", "x", good), ("aon-1", "y", good)])
+    assert "aon-3" not in engine.requests
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -239,6 +240,34 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return request_id
+
+    def add_requests(self, items: Sequence[tuple[str | None, PromptType, SamplingParams]]) -> list[str]:
+        """Queue (request id or None, prompt, params) items all or none: every item is
+        validated and tokenized first; returns their ids in order.
+
+        Raises:
+            ValueError: a bad prompt or parameter, or a request id already in flight or given
+                twice; nothing is queued then.
+        """
+        checked = []
+        ids = [rid for rid, _, _ in items if rid is not None]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique within one call")
+        for rid, prompt, params in items:
+            self.check_params(params)
+            if rid is not None and rid in self.requests:
+                raise ValueError(f"request id '{rid}' is already in flight; give each request a unique id")
+            text, token_ids = self.tokenize_prompt(prompt)  # tokenized once, here
+            checked.append((rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+        added: list[str] = []
+        try:
+            for rid, prompt, params in checked:
+                added.append(self.add_request(prompt, params, rid))
+        except BaseException:
+            for rid in added:  # all or none
+                self.abort_request(rid)
+            raise
+        return added
 
     def check_params(self, params: SamplingParams) -> None:
         """Checks of SamplingParams against this engine's limits.

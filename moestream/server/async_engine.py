@@ -423,21 +423,8 @@ class AsyncLLMEngine:
         whose caller has gone (its future cancelled) is dropped."""
         if not _claim(cmd.done):
             return  # the caller was cancelled before we got here: nothing to add, nobody to tell
-        engine = self.engine
         try:
-            for rid, _, params in cmd.items:
-                engine.check_params(params)
-                if rid in engine.requests:
-                    raise ValueError(f"request id '{rid}' is already in flight")
-            added = []
-            try:
-                for rid, prompt, params in cmd.items:
-                    engine.add_request(prompt, params, rid)
-                    added.append(rid)
-            except BaseException:
-                for rid in added:  # all or none
-                    engine.abort_request(rid)
-                raise
+            self.engine.add_requests(cmd.items)
         except ValueError as e:
             _settle(cmd.done, e)
         except Exception as e:
