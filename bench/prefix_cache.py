@@ -27,6 +27,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # bench/ siblings, also when imported
+
+from report import pyplot, write_markdown  # noqa: E402
 NEW_TOKENS = 16
 
 
@@ -110,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
-    sys.path.insert(0, HERE)
     from make_checkpoint import PRESETS, ensure_checkpoint
 
     ckpt = args.checkpoint
@@ -142,16 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{on['hit_rate']:.1%} | {on['cached_tokens']} |")
     if not results["on"]["prefix_caching"]:
         lines += ["", "Prefix caching is not yet available for this (hybrid) model: 'on' ran without it."]
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    write_markdown(args.out + ".md", lines)
+    plt = pyplot()
+    if plt is None:
         return 0
     names = ["shared", "chat", "suffix"]
     fig, ax = plt.subplots(figsize=(7, 3.5))

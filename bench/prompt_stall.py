@@ -25,7 +25,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # bench/ siblings, also when imported
+
+from report import pyplot, write_markdown  # noqa: E402
 
 
 def free_port() -> int:
@@ -141,16 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         lat = "-" if r["intruder_latency_s"] is None else f"{r['intruder_latency_s']:.3f}"
         lines.append(f"| {r['intruder']} | {r['intruder_status'] or '-'} | {lat} | {r['max_itl_s']:.3f} | "
                      f"{r['p50_itl_s']:.4f} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
+    write_markdown(args.out + ".md", lines)
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar([r["intruder"] for r in rows], [r["max_itl_s"] for r in rows], color="tab:blue")
