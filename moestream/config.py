@@ -446,7 +446,15 @@ class EngineConfig:
             (default) the model's generation_config.json, "vllm" the built-in defaults only,
             or a directory holding a generation_config.json.
         enable_prefix_caching: reuse the KV blocks of a cached prompt prefix instead of
-            recomputing them (vLLM's default: on). Hybrid models: not yet (off).
+            recomputing them (vLLM's default: on). Hybrid models also reuse linear-attention
+            state checkpoints (see `KVCacheCoordinator`).
+        state_checkpoint_interval: hybrid models with prefix caching: tokens between the
+            state checkpoints taken in a prompt (a multiple of block_size; default 512). A
+            hit recomputes at most this many tokens past the last checkpoint.
+        max_state_checkpoints: hybrid models with prefix caching: state checkpoints kept on
+            the device (each the size of one request's state); None = max_resident_states.
+        state_checkpoint_host_bytes: hybrid models with prefix caching: bytes of host memory
+            for checkpoints moved off the device (default 1 GiB; 0 = drop them instead).
     """
 
     model: str
@@ -469,6 +477,9 @@ class EngineConfig:
     mamba_ssm_cache_dtype: str = "float32"
     generation_config: str = "auto"
     enable_prefix_caching: bool = True
+    state_checkpoint_interval: int = 512
+    max_state_checkpoints: int | None = None
+    state_checkpoint_host_bytes: int = 1 << 30
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -500,6 +511,18 @@ class EngineConfig:
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"
             )
+        if not is_int(self.state_checkpoint_interval) or self.state_checkpoint_interval < 1 or (
+            self.state_checkpoint_interval % self.block_size
+        ):
+            raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {self.block_size}, "
+                             f"got {self.state_checkpoint_interval!r}")
+        if self.max_state_checkpoints is not None and (
+            not is_int(self.max_state_checkpoints) or self.max_state_checkpoints < 0
+        ):
+            raise ValueError(f"max_state_checkpoints must be a non-negative integer, got {self.max_state_checkpoints!r}")
+        if not is_int(self.state_checkpoint_host_bytes) or self.state_checkpoint_host_bytes < 0:
+            raise ValueError(f"state_checkpoint_host_bytes must be a non-negative integer (bytes), "
+                             f"got {self.state_checkpoint_host_bytes!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -48,6 +48,9 @@ class LLM:
         generation_config: str = "auto",
         max_logprobs: int = 20,
         enable_prefix_caching: bool = True,
+        state_checkpoint_interval: int = 512,
+        max_state_checkpoints: int | None = None,
+        state_checkpoint_host_bytes: int = 1 << 30,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -71,6 +74,9 @@ class LLM:
                 generation_config=generation_config,
                 max_logprobs=max_logprobs,
                 enable_prefix_caching=enable_prefix_caching,
+                state_checkpoint_interval=state_checkpoint_interval,
+                max_state_checkpoints=max_state_checkpoints,
+                state_checkpoint_host_bytes=state_checkpoint_host_bytes,
             )
         )
 

@@ -32,7 +32,8 @@ def test_batch_decoded_together(hybrid_dir: str, hybrid_reference: HFReference) 
 
 
 def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -> None:
-    """2 device state slots for 8 running requests: every step swaps states out and back in."""
+    """2 device state slots for 8 running requests: each step runs 2 of them (the scheduler
+    picks the least recently run), so once all 8 have started every step swaps 2 states in."""
     prompts = parity_prompts()
     llm = LLM(hybrid_dir, dtype="float32", max_model_len=128, max_resident_states=2)
     engine = llm.llm_engine
@@ -49,8 +50,10 @@ def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -
         assert pool.num_resident() <= 2
         swaps_per_step.append(pool.num_swap_ins - before)
         steps += 1
-    # While all 8 decode (steps 2..~32), each step swaps in at least 6 of them.
-    assert min(swaps_per_step[1:NUM_NEW_TOKENS - 8]) >= 6, swaps_per_step
+    # Steps 1-4 start the 8 requests (fresh states, nothing to swap in); after that, while all
+    # 8 decode, every step swaps in the states of the 2 it runs.
+    assert swaps_per_step[:4] == [0, 0, 0, 0], swaps_per_step
+    assert set(swaps_per_step[4:4 * (NUM_NEW_TOKENS - 2)]) == {2}, swaps_per_step
     check_all(prompts, [(final[i], recs[i]) for i in range(8)], hybrid_reference, "swapping")
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
 

@@ -1,7 +1,9 @@
-"""Prefix caching of attention models (Qwen3-MoE, Mixtral): second sightings hit exactly
-the expected blocks, and their output is token-exact with HF float32 and with the miss;
-chat turns hit the previous turn; expert paging and preemption keep working; a hypothesis
-property test drives the block pool through random admissions, computes and frees."""
+"""Prefix caching of attention models (Qwen3-MoE, Mixtral) and hybrid ones (Qwen3-Next,
+Qwen3.5-MoE, through linear-attention state checkpoints): second sightings hit exactly the
+expected blocks, and their output is token-exact with HF float32 and with the miss; chat
+turns hit the previous turn; expert paging and preemption keep working; a hypothesis
+property test drives the block pool through random admissions, computes and frees. The
+hybrid-only cases (checkpoint tiers, bf16, intervals) are in test_prefix_caching_hybrid.py."""
 
 from __future__ import annotations
 
@@ -20,6 +22,16 @@ BS = 16
 NEW = NUM_NEW_TOKENS  # what the cached HF reference generates
 
 
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe"])
+def arch_dir(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue(f"{request.param}_dir")
+
+
+@pytest.fixture(scope="module")
+def arch_reference(arch_dir: str) -> HFReference:
+    return HFReference(arch_dir)
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 30000) for _ in range(n)]
 
@@ -30,11 +42,11 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> tuple[list[tuple[list[int],
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)], [o.num_cached_tokens for o in outs]
 
 
-def test_second_sighting_hits_and_matches_hf(model_dir: str, hf_reference: HFReference) -> None:
+def test_second_sighting_hits_and_matches_hf(arch_dir: str, arch_reference: HFReference) -> None:
     rng = random.Random(7)
     prefix = _tokens(rng, 3 * BS)
     prompts = [prefix + _tokens(rng, 5), prefix + _tokens(rng, 100), _tokens(rng, BS + 1), _tokens(rng, 10)]
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, block_size=BS)
+    llm = LLM(arch_dir, dtype="float32", max_model_len=512, block_size=BS)
     first, cached = _generate(llm, prompts)
     assert cached == [0, 0, 0, 0]  # all admitted in one step: nothing was cached yet
     second, cached = _generate(llm, prompts)
@@ -42,28 +54,28 @@ def test_second_sighting_hits_and_matches_hf(model_dir: str, hf_reference: HFRef
     # last prompt token: 53 -> 3 blocks, 148 -> 9, 17 (1 block + 1 token) -> 1, 10 -> 0.
     assert cached == [48, 144, 16, 0]
     assert [t for t, _ in second] == [t for t, _ in first]
-    check_all(prompts, second, hf_reference, "second sighting")
+    check_all(prompts, second, arch_reference, "second sighting")
     stats = llm.prefix_cache_stats()
     assert stats["enabled"] and stats["hits"] == 48 + 144 + 16
     assert stats["queries"] == 2 * sum(len(p) for p in prompts)
 
 
-def test_shared_prefix_with_long_suffixes_and_mixed_batch(model_dir: str, hf_reference: HFReference) -> None:
+def test_shared_prefix_with_long_suffixes_and_mixed_batch(arch_dir: str, arch_reference: HFReference) -> None:
     """The SGLang #22935 shape: a 3-block prefix, then suffixes of 5, 100 and 400 tokens,
     run together with prompts that miss."""
     rng = random.Random(8)
     prefix = _tokens(rng, 3 * BS)
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, block_size=BS)
+    llm = LLM(arch_dir, dtype="float32", max_model_len=512, block_size=BS)
     _generate(llm, [prefix + _tokens(rng, 5)])
     prompts = [prefix + _tokens(rng, n) for n in (5, 100, 400)] + [_tokens(rng, 30), _tokens(rng, 70)]
     results, cached = _generate(llm, prompts)
     assert cached == [48, 48, 48, 0, 0]
-    check_all(prompts, results, hf_reference, "shared prefix")
+    check_all(prompts, results, arch_reference, "shared prefix")
 
 
-def test_chat_turns_hit_the_previous_turn(model_dir: str, hf_reference: HFReference) -> None:
+def test_chat_turns_hit_the_previous_turn(arch_dir: str, arch_reference: HFReference) -> None:
     rng = random.Random(9)
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, block_size=BS)
+    llm = LLM(arch_dir, dtype="float32", max_model_len=512, block_size=BS)
     history: list[int] = []
     for turn in range(3):
         prompt = history + _tokens(rng, 20 + 7 * turn)
@@ -71,20 +83,22 @@ def test_chat_turns_hit_the_previous_turn(model_dir: str, hf_reference: HFRefere
         # The previous turn computed all of its prompt and output but the last sampled token.
         expected = min((len(history) - 1) // BS, (len(prompt) - 1) // BS) * BS if history else 0
         assert cached == expected
-        check_all([prompt], [result], hf_reference, f"turn {turn}")
+        check_all([prompt], [result], arch_reference, f"turn {turn}")
         history = prompt + result[0]
 
 
-def test_hits_with_expert_paging_and_preemption(qwen3_moe_dir: str) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_hits_with_expert_paging_and_preemption(arch: str, request: pytest.FixtureRequest) -> None:
+    model = request.getfixturevalue(f"{arch}_dir")
     rng = random.Random(10)
     prefix = _tokens(rng, 4 * BS)
     prompts = [prefix + _tokens(rng, n) for n in (3, 20, 40, 9)]
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    plain = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, enable_prefix_caching=False)
+    plain = LLM(model, dtype="float32", max_model_len=128, enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params)]
     # 16 blocks of 16 tokens: the 4 requests (up to 120 tokens each) cannot all fit, so some are
     # preempted and re-admitted, hitting their own freed blocks or the shared prefix.
-    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, expert_budget=0.5,
+    llm = LLM(model, dtype="float32", max_model_len=128, expert_budget=0.5,
               kv_cache_memory_bytes=16 * plain.llm_engine.kv_cache_block_bytes)
     for _ in range(2):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -95,15 +109,14 @@ def test_hits_with_expert_paging_and_preemption(qwen3_moe_dir: str) -> None:
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_prefix_caching_off_and_hybrid(qwen3_moe_dir: str, qwen3_next_dir: str) -> None:
-    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, enable_prefix_caching=False)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_prefix_caching_off(arch: str, request: pytest.FixtureRequest) -> None:
+    llm = LLM(request.getfixturevalue(f"{arch}_dir"), dtype="float32", max_model_len=128, enable_prefix_caching=False)
     prompt = {"prompt_token_ids": list(range(100, 140))}
     llm.generate(prompt, SamplingParams(max_tokens=2))
     assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].num_cached_tokens == 0
-    assert llm.prefix_cache_stats()["enabled"] is False
-    hybrid = LLM(qwen3_next_dir, dtype="float32", max_model_len=128)
-    assert hybrid.prefix_cache_stats()["enabled"] is False  # needs state checkpoints: not yet
-    assert hybrid.llm_engine.kv_cache.block_size == 16  # the block size stays what was set
+    stats = llm.prefix_cache_stats()
+    assert stats["enabled"] is False and stats["queries"] == 0 and "checkpoints_device" not in stats
 
 
 # ---- property test: the block pool under random admissions, computes and frees ----------------

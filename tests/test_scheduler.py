@@ -1,8 +1,12 @@
 """Scheduler decisions on constructed cases (no model)."""
 
+import torch
+
 from moestream.engine.kv_cache import KVCacheManager
+from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
+from moestream.engine.state_pool import StatePool
 from moestream.sampling_params import SamplingParams
 
 
@@ -20,7 +24,7 @@ def plan(sched: Scheduler) -> list[tuple[str, int]]:
 
 
 def test_token_budget_chunks_prompts() -> None:
-    s = Scheduler(KVCacheManager(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    s = Scheduler(KVCacheCoordinator(KVCacheManager(100, 4)), max_num_seqs=8, max_num_batched_tokens=10)
     for r in (req("a", 7), req("b", 6), req("c", 3)):
         s.add_request(r)
     assert plan(s) == [("a", 7), ("b", 3)]  # b's prompt is chunked
@@ -29,7 +33,7 @@ def test_token_budget_chunks_prompts() -> None:
 
 
 def test_max_num_seqs() -> None:
-    s = Scheduler(KVCacheManager(100, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    s = Scheduler(KVCacheCoordinator(KVCacheManager(100, 4)), max_num_seqs=2, max_num_batched_tokens=100)
     for r in (req("a", 2), req("b", 2), req("c", 2)):
         s.add_request(r)
     assert plan(s) == [("a", 2), ("b", 2)]
@@ -38,7 +42,7 @@ def test_max_num_seqs() -> None:
 
 def test_preempts_newest_running_request() -> None:
     kv = KVCacheManager(4, 4)  # 16 token slots
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = Scheduler(KVCacheCoordinator(kv), max_num_seqs=8, max_num_batched_tokens=100)
     a, b = req("a", 8), req("b", 8)  # 2 blocks each: the pool is full
     s.add_request(a)
     s.add_request(b)
@@ -58,7 +62,7 @@ def test_preempts_newest_running_request() -> None:
 
 def test_request_preempts_itself_when_newest() -> None:
     kv = KVCacheManager(3, 4)
-    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = Scheduler(KVCacheCoordinator(kv), max_num_seqs=8, max_num_batched_tokens=100)
     a, b = req("a", 4), req("b", 8)
     s.add_request(a)
     s.add_request(b)
@@ -68,7 +72,7 @@ def test_request_preempts_itself_when_newest() -> None:
     assert s.running == [a] and list(s.waiting) == [b]
     # With one running request that cannot grow any more, it preempts itself.
     kv2 = KVCacheManager(1, 4)
-    s2 = Scheduler(kv2, 8, 100)
+    s2 = Scheduler(KVCacheCoordinator(kv2), 8, 100)
     c = req("c", 4)
     s2.add_request(c)
     assert plan(s2) == [("c", 4)]
@@ -78,7 +82,7 @@ def test_request_preempts_itself_when_newest() -> None:
 
 def test_finish_aborts_and_frees() -> None:
     kv = KVCacheManager(10, 4)
-    s = Scheduler(kv, 8, 100)
+    s = Scheduler(KVCacheCoordinator(kv), 8, 100)
     a, b = req("a", 9), req("b", 3)
     s.add_request(a)
     s.add_request(b)
@@ -91,3 +95,19 @@ def test_finish_aborts_and_frees() -> None:
     s.add_request(c)
     s.finish_request(c, RequestStatus.FINISHED_ABORTED)  # aborted while waiting
     assert not s.waiting
+
+
+def test_hybrid_requests_take_turns_on_the_state_slots() -> None:
+    """2 state slots, 3 requests: each step runs 2, in round robin (least recently run or
+    longest waiting first), and the 2 that run are the resident ones."""
+    pool = StatePool(1, (4, 3), (2, 3, 3), torch.float32, torch.float32, 2, torch.device("cpu"))
+    s = Scheduler(KVCacheCoordinator(KVCacheManager(100, 4), pool), max_num_seqs=8, max_num_batched_tokens=100)
+    for r in (req("a", 3), req("b", 3), req("c", 3)):
+        s.add_request(r)
+    assert plan(s) == [("a", 3), ("b", 3)]  # c waits: 2 slots
+    assert [r.request_id for r in s.waiting] == ["c"]
+    assert plan(s) == [("c", 3), ("a", 1)]  # c has waited longest; then a, which ran before b
+    assert plan(s) == [("b", 1), ("c", 1)]
+    assert plan(s) == [("a", 1), ("b", 1)]
+    assert plan(s) == [("c", 1), ("a", 1)]
+    assert {rid for rid in "abc" if pool.is_resident(rid)} == {"c", "a"} and pool.num_swapped() == 1

@@ -25,15 +25,15 @@ def test_hybrid_concurrent_streams_equal_offline(qwen3_next_dir: str) -> None:
         ServerConfig(served_model_names=("tiny-next",)),
     )
     try:
-        client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none")
-
-        async def one(prompt: str) -> str:
+        async def one(client: AsyncOpenAI, prompt: str) -> str:
             stream = await client.completions.create(model="tiny-next", prompt=prompt, max_tokens=10,
                                                      temperature=0, stream=True)
             return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
-        async def run_all() -> list[str]:
-            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        async def run_all(prompts: list[str] = PROMPTS) -> list[str]:
+            client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none")  # one per event loop
+            async with client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
 
         texts = asyncio.run(run_all())
         assert texts == [o.outputs[0].text for o in offline]
@@ -46,5 +46,18 @@ def test_hybrid_concurrent_streams_equal_offline(qwen3_next_dir: str) -> None:
         assert samples["moestream:state_slots_total"] == 2
         assert samples["moestream:state_slots_in_use"] == 0 and samples["moestream:states_swapped"] == 0
         assert samples["moestream:state_swap_ins_total"] == pool.num_swap_ins > 0
+        # Prefix caching on a hybrid model: a second round of long prompts is served from state checkpoints.
+        long = ["# a header line that every prompt repeats\n" * 4 + p for p in PROMPTS]
+        first = asyncio.run(run_all(long))
+        assert asyncio.run(run_all(long)) == first
+        server.wait_idle()
+        stats = server.engine.prefix_cache_stats()
+        text = httpx.get(server.base_url + "/metrics").text
+        by_label = {(s.name, s.labels.get("tier")): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert by_label[("moestream:prefix_cache_hits_total", None)] == stats["hits"] > 0
+        assert by_label[("moestream:prefix_cache_state_checkpoints", "device")] == stats["checkpoints_device"] > 0
+        assert by_label[("moestream:prefix_cache_state_checkpoint_bytes", "device")] == stats["checkpoint_bytes_device"]
+        assert by_label[("moestream:prefix_cache_recomputed_tokens_total", None)] == stats["recomputed_tokens"]
     finally:
         server.stop()

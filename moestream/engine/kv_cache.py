@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +43,15 @@ class PrefixCacheStats:
         queries: prompt tokens of the requests admitted (each admission counts once).
         hits: of those, tokens found in the cache (not computed).
         evictions: cached blocks reused for new tokens.
+        recomputed: hybrid models: prompt tokens whose KV blocks were cached but that were
+            computed again, from the last state checkpoint at or before the cached prefix's
+            end (not counted in `hits`).
     """
 
     queries: int = 0
     hits: int = 0
     evictions: int = 0
+    recomputed: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -67,18 +71,22 @@ class KVCacheManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: keep and hit full blocks' hashes.
+        on_evict: called with a block's hash when the cached block is evicted (the hybrid
+            models' state checkpoint keyed by it goes with it).
 
     Raises:
         ValueError: fewer than one block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 on_evict: Callable[[bytes], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
+        self.on_evict = on_evict
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
         self._ref_count = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
@@ -104,7 +112,7 @@ class KVCacheManager:
         """Requests holding `block_id`."""
         return self._ref_count[block_id]
 
-    def _block_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
         """The chained hashes of the first `num_blocks` full blocks of `token_ids` (memoised
         per request; the tokens of a block never change once it is full)."""
         hashes = self._hashes.setdefault(request_id, [])
@@ -122,7 +130,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return []
         hits = []
-        for h in self._block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in self.block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size):
             block = self._cached.get(h)
             if block is None:
                 break
@@ -163,6 +171,8 @@ class KVCacheManager:
                 del self._cached[h]
                 self._block_hash[block] = None
                 self.stats.evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(h)
             self._ref_count[block] = 1
             table.append(block)
         self._tables[request_id] = table
@@ -179,7 +189,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         table = self._tables[request_id]
-        hashes = self._block_hashes(request_id, token_ids, num_full)
+        hashes = self.block_hashes(request_id, token_ids, num_full)
         for i in range(start, num_full):
             block, h = table[i], hashes[i]
             if self._block_hash[block] is None and h not in self._cached:
@@ -187,13 +197,22 @@ class KVCacheManager:
                 self._block_hash[block] = h
         self._num_cached[request_id] = num_full
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, num_useful_blocks: int | None = None) -> None:
         """Give back all of `request_id`'s blocks (no-op if it has none): each whose count
-        drops to 0 goes to the tail of the free queue, last block first, keeping its hash."""
-        for block in reversed(self._tables.pop(request_id, ())):
+        drops to 0 goes to the tail of the free queue, last block first, keeping its hash.
+        With `num_useful_blocks` (hybrid models: the blocks up to its last state
+        checkpoint), the blocks after those go to the head instead: no hit can use them, so
+        they are evicted first."""
+        table = self._tables.pop(request_id, ())
+        for i in reversed(range(len(table))):
+            block = table[i]
             self._ref_count[block] -= 1
             if self._ref_count[block] == 0:
                 self._free[block] = None
+        if num_useful_blocks is not None:
+            for block in table[num_useful_blocks:]:  # the last one ends at the head
+                if self._ref_count[block] == 0:
+                    self._free.move_to_end(block, last=False)
         self._hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
 

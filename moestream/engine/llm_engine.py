@@ -14,10 +14,12 @@ from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import InputProcessor, PromptType
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
+from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.output_processor import OutputProcessor
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
+from moestream.engine.state_checkpoints import StateCheckpointPool
 from moestream.engine.state_pool import StatePool
 from moestream.experts.planner import plan_experts
 from moestream.experts.policy import make_policy
@@ -103,13 +105,13 @@ class LLMEngine:
                 f"sequence of max_model_len={self.max_model_len} needs {blocks_per_seq}; raise "
                 f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
             )
-        # Hybrid models need linear-attention state checkpoints to skip a prefix: not yet.
-        prefix_caching = config.enable_prefix_caching and not mcfg.is_hybrid
-        if config.enable_prefix_caching and mcfg.is_hybrid:
-            logger.info("prefix caching is off: it is not yet available for hybrid (linear-attention) models")
-        kv_cache = KVCacheManager(num_blocks, bs, prefix_caching)
+        kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.state_pool = self._make_state_pool(mcfg) if mcfg.is_hybrid else None
-        self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens, self.state_pool)
+        checkpoints = None
+        if self.state_pool is not None and config.enable_prefix_caching:
+            checkpoints = StateCheckpointPool(self.state_pool, config.state_checkpoint_host_bytes)
+        self.coordinator = KVCacheCoordinator(kv_cache, self.state_pool, checkpoints, config.state_checkpoint_interval)
+        self.scheduler = Scheduler(self.coordinator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
@@ -141,6 +143,13 @@ class LLMEngine:
                 list(pool.conv_shape), str(pool.conv_dtype).removeprefix("torch."), list(pool.ssm_shape),
                 str(pool.ssm_dtype).removeprefix("torch."), pool.max_resident, pool.device_bytes / 2**20,
             )
+            if checkpoints is not None:
+                logger.info(
+                    "prefix caching on a hybrid model: state checkpoints of %.2f MiB each, every %d tokens of a prompt, "
+                    "at its last full block, at branch points and at the end of each output; %d on the device "
+                    "(%.1f MiB), up to %d in host memory", pool.bytes_per_state / 2**20, config.state_checkpoint_interval,
+                    pool.num_checkpoint_rows, pool.num_checkpoint_rows * pool.bytes_per_state / 2**20,
+                    checkpoints.max_host_checkpoints)
 
     def _make_state_pool(self, mcfg: ModelConfig) -> StatePool:
         """Device state slots for `max_resident_states` requests (default max_num_seqs)."""
@@ -156,6 +165,9 @@ class LLMEngine:
             self.dtype if cfg.mamba_ssm_cache_dtype == "auto" else resolve_dtype(cfg.mamba_ssm_cache_dtype, None),
             cfg.max_resident_states or cfg.max_num_seqs,
             self.device,
+            num_checkpoint_rows=0 if not cfg.enable_prefix_caching else (
+                cfg.max_state_checkpoints if cfg.max_state_checkpoints is not None
+                else cfg.max_resident_states or cfg.max_num_seqs),
         )
 
     def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:
@@ -201,15 +213,15 @@ class LLMEngine:
         return self.expert_store.stats()
 
     def prefix_cache_stats(self) -> dict:
-        """Prefix-cache figures: enabled, queries and hits (prompt tokens of admitted
-        requests), hit_rate, evictions (blocks), cached_blocks."""
-        kv = self.kv_cache
-        return {"enabled": kv.enable_prefix_caching, "queries": kv.stats.queries, "hits": kv.stats.hits,
-                "hit_rate": kv.stats.hit_rate, "evictions": kv.stats.evictions, "cached_blocks": kv.num_cached_blocks}
+        """Prefix-cache figures (`KVCacheCoordinator.prefix_cache_stats`): enabled, queries
+        and hits (prompt tokens of admitted requests), hit_rate, evictions (blocks),
+        cached_blocks, recomputed_tokens (hybrid hits), and on hybrid models the state
+        checkpoints per tier (count, bytes), captured, evictions, demotions."""
+        return self.coordinator.prefix_cache_stats()
 
     @property
     def kv_cache(self) -> KVCacheManager:
-        return self.scheduler.kv_cache
+        return self.coordinator.kv
 
     # ---- requests -------------------------------------------------------------------
 
@@ -309,7 +321,7 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         try:
-            samplers, logits = self.runner.execute(sched.scheduled, self.kv_cache)
+            samplers, logits = self.runner.execute(sched, self.coordinator)
             result = self.sampler(
                 logits,
                 [r.sampling_params for r in samplers],
@@ -319,6 +331,7 @@ class LLMEngine:
             ) if samplers else None
         except Exception:
             if self.state_pool is not None:
+                self.coordinator.discard()
                 # Rewriting KV slots is idempotent, advancing a recurrent state is not: the
                 # step's linear-attention states may be part-updated, so recompute them.
                 for req, _ in sched.scheduled:
@@ -327,7 +340,7 @@ class LLMEngine:
         # Only now, with nothing left that can fail, does the step's progress count.
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-            self.kv_cache.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.coordinator.commit(sched.scheduled)
         if result is None:
             return []
         now = time.monotonic()

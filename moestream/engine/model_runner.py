@@ -1,14 +1,15 @@
 """Batch preparation and the forward pass: turns a SchedulerOutput into flat tensors,
-runs the model over the paged KV cache (and, for hybrid models, the state pool), and
-returns the logits of the requests that finished computing all their tokens this step
-(those sample a token)."""
+runs the model once over the paged KV cache (and, for hybrid models, the state slots the
+scheduler made resident), and returns the logits of the requests that finished computing
+all their tokens this step (those sample a token)."""
 
 from __future__ import annotations
 
 import torch
 
-from moestream.engine.kv_cache import KVCacheManager
+from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.request import Request
+from moestream.engine.scheduler import SchedulerOutput
 from moestream.engine.state_pool import StatePool
 from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
@@ -21,8 +22,9 @@ class ModelRunner:
     [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype. Linear-attention
     layers have no KV cache; their states are the `state_pool`'s.
 
-    With a state pool, a step's requests run in groups of at most `state_pool.max_resident`
-    (one forward each), their states made resident before each group.
+    The runner decides nothing: the scheduler output names the requests, their token
+    counts and (hybrid models) their state slots and checkpoint captures; block tables are
+    read from the coordinator.
 
     With a routing `recorder`, each forward first names its rows to it (`begin_step`): row i
     of the flat batch [T] is token `positions[i]` of its request, so the MoE layers' records
@@ -57,18 +59,16 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager) -> tuple[list[Request], torch.Tensor]:
-        """Run one step. Returns (requests that sample now, their logits [N, V] float32)."""
-        group = len(scheduled) if self.state_pool is None else self.state_pool.max_resident
-        samplers: list[Request] = []
-        logits: list[torch.Tensor] = []
-        for g in range(0, len(scheduled), group):
-            reqs, lg = self._forward(scheduled[g : g + group], kv_cache)
-            samplers += reqs
-            logits.append(lg)
-        return samplers, torch.cat(logits) if len(logits) > 1 else logits[0]
+    def execute(self, sched: SchedulerOutput, coordinator: KVCacheCoordinator) -> tuple[list[Request], torch.Tensor]:
+        """Run one step in one forward. Returns (requests that sample now, their logits [N, V]
+        float32).
 
-    def _forward(self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager) -> tuple[list[Request], torch.Tensor]:
+        Raises:
+            ValueError: a hybrid model's step without a state plan.
+        """
+        scheduled = sched.scheduled
+        if self.state_pool is not None and sched.states is None:
+            raise ValueError("a hybrid model's step needs the scheduler's state plan")
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -81,7 +81,7 @@ class ModelRunner:
             start = req.num_computed_tokens
             input_ids.extend(req.token_ids[start : start + n])
             positions.extend(range(start, start + n))
-            table = kv_cache.block_table(req.request_id)
+            table = coordinator.block_table(req.request_id)
             bs = self.block_size
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
@@ -103,11 +103,10 @@ class ModelRunner:
         )
         state_caches, state_meta = None, None
         if self.state_pool is not None:
-            state_slots = self.state_pool.prepare(
-                [r.request_id for r, _ in scheduled], [r.num_computed_tokens == 0 for r, _ in scheduled]
-            )
+            plan = sched.states
             state_caches = self.state_pool.caches()
-            state_meta = StateMetadata(qsl, state_slots, torch.tensor(state_slots, dtype=torch.int64, device=dev))
+            state_meta = StateMetadata(qsl, plan.slots, torch.tensor(plan.slots, dtype=torch.int64, device=dev),
+                                       plan.captures)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
         if self.recorder is not None:

@@ -8,7 +8,10 @@ swapped back in, least-recently-used out first, before their next forward. A swa
 comes back bit for bit.
 
 Slot s has a second, "committed" copy at index max_resident + s (current vs last
-committed state), so that speculative decoding can roll a request back later.
+committed state), so that speculative decoding can roll a request back later. Rows from
+2 * max_resident on are the device tier of the prefix cache's state checkpoints
+(`StateCheckpointPool`); the model writes a checkpoint straight into such a row while it
+computes a prefill (`StateMetadata.captures`).
 
 vLLM keeps these in its Mamba cache (one slot per running request, no host tier); the
 host swap here lets more requests run than device slots hold.
@@ -27,10 +30,11 @@ logger = logging.getLogger(__name__)
 class StatePool:
     """Device state slots for `max_resident` requests, plus a host tier for the rest.
 
-    Tensors: per linear layer, conv [2R, C, K-1] and ssm [2R, Hv, Dk, Dv]; rows 0..R-1 are
-    the current states, rows R..2R-1 the committed snapshots.
+    Tensors: per linear layer, conv [2R + D, C, K-1] and ssm [2R + D, Hv, Dk, Dv]; rows
+    0..R-1 are the current states, rows R..2R-1 the committed snapshots, rows 2R..2R+D-1
+    the `num_checkpoint_rows` device rows of the state checkpoints.
 
-    Raises (constructor): ValueError if max_resident < 1.
+    Raises (constructor): ValueError if max_resident < 1 or num_checkpoint_rows < 0.
     """
 
     def __init__(
@@ -42,14 +46,18 @@ class StatePool:
         ssm_dtype: torch.dtype,
         max_resident: int,
         device: torch.device,
+        num_checkpoint_rows: int = 0,
     ) -> None:
         if max_resident < 1:
             raise ValueError(f"max_resident_states must be at least 1, got {max_resident}")
+        if num_checkpoint_rows < 0:
+            raise ValueError(f"num_checkpoint_rows must be at least 0, got {num_checkpoint_rows}")
         self.max_resident = max_resident
+        self.num_checkpoint_rows = num_checkpoint_rows
         self.device = device
         self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
-        rows = 2 * max_resident
+        rows = 2 * max_resident + num_checkpoint_rows
         self.conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
         self.ssm = [torch.zeros(rows, *ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
         self._free: deque[int] = deque(range(max_resident))
@@ -62,11 +70,16 @@ class StatePool:
     # ---- sizes ----------------------------------------------------------------------
 
     @property
-    def bytes_per_request(self) -> int:
-        """Bytes of one request's state (current + snapshot) over all linear layers."""
+    def bytes_per_state(self) -> int:
+        """Bytes of one state (conv + recurrent, all linear layers): one slot or checkpoint."""
         conv = torch.Size(self.conv_shape).numel() * torch.tensor([], dtype=self.conv_dtype).element_size()
         ssm = torch.Size(self.ssm_shape).numel() * torch.tensor([], dtype=self.ssm_dtype).element_size()
-        return 2 * len(self.conv) * (conv + ssm)
+        return len(self.conv) * (conv + ssm)
+
+    @property
+    def bytes_per_request(self) -> int:
+        """Bytes of one request's state (current + snapshot) over all linear layers."""
+        return 2 * self.bytes_per_state
 
     @property
     def device_bytes(self) -> int:
@@ -149,6 +162,48 @@ class StatePool:
         for conv, ssm in zip(self.conv, self.ssm):
             conv[s].copy_(conv[self.max_resident + s])
             ssm[s].copy_(ssm[self.max_resident + s])
+
+    def slot_of(self, request_id: str) -> int:
+        """The device slot of a resident request. Raises KeyError if it is not resident."""
+        return self._resident[request_id]
+
+    # ---- rows (checkpoints) ---------------------------------------------------------
+
+    def checkpoint_row(self, i: int) -> int:
+        """Tensor row of device checkpoint row i (0 <= i < num_checkpoint_rows)."""
+        return 2 * self.max_resident + i
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy tensor row `src` to row `dst` in every linear layer (conv and ssm)."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    def read_row(self, row: int) -> list[torch.Tensor]:
+        """Host copies [conv, ssm] per linear layer of tensor row `row` (pinned on CUDA)."""
+        out = []
+        for conv, ssm in zip(self.conv, self.ssm):
+            out += [self._host_copy(conv[row]), self._host_copy(ssm[row])]
+        return out
+
+    def write_row(self, row: int, host: list[torch.Tensor]) -> None:
+        """Write host copies from `read_row` into tensor row `row`."""
+        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
+            conv[row].copy_(host[2 * i], non_blocking=self._pin)
+            ssm[row].copy_(host[2 * i + 1], non_blocking=self._pin)
+
+    def restore(self, request_id: str, row: int | None = None, host: list[torch.Tensor] | None = None) -> None:
+        """Set a resident request's current and committed state to a checkpoint: device
+        tensor row `row`, or host copies `host` (from `read_row`). The checkpoint is read,
+        never changed."""
+        s = self._resident[request_id]
+        if row is not None:
+            self.copy_row(row, s)
+        elif host is not None:
+            self.write_row(s, host)
+        else:
+            raise ValueError("restore needs a device row or host copies")
+        self.copy_row(s, self.max_resident + s)
 
     # ---- internals ------------------------------------------------------------------
 

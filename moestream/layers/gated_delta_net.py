@@ -38,11 +38,18 @@ class StateMetadata:
         query_start_loc_cpu: [B + 1] request i owns rows [q[i], q[i+1]) of the flat batch.
         state_slots_cpu: [B] the StatePool slot of request i.
         state_slots: the same, as an int64 tensor on the device.
+        captures: [B] per request, (offset, row or None) pairs (prefix-cache state
+            checkpoints): after the first `offset` of its new tokens (1 <= offset <= its
+            count), the state is also written to tensor row `row`. A prefill is computed
+            in pieces that end at these offsets (also where `row` is None: a position
+            checkpointed already), so a hit that restores a checkpoint and computes from
+            there runs the same pieces as the miss did.
     """
 
     query_start_loc_cpu: list[int]
     state_slots_cpu: list[int]
     state_slots: torch.Tensor
+    captures: list[list[tuple[int, int | None]]] | None = None
 
 
 class DepthwiseConv1d(nn.Module):
@@ -134,17 +141,34 @@ class GatedDeltaNet(nn.Module):
             o, new_state = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], ssm_state[idx].float())
             ssm_state[idx] = new_state.to(ssm_state.dtype)
             core[rows] = o
+        captures = meta.captures or [[] for _ in slots]
+        for i in decodes:  # checkpoints after a decode token: the slot's new state
+            for _, row in captures[i]:
+                if row is not None:
+                    conv_state[row] = conv_state[slots[i]]
+                    ssm_state[row] = ssm_state[slots[i]]
         for i in range(len(slots)):
             start, end = qsl[i], qsl[i + 1]
             if end - start == 1:
                 continue
             slot = slots[i]
             window = torch.cat((conv_state[slot], mixed[start:end].T.to(conv_state.dtype)), dim=-1)  # [C, K-1+n]
-            conv_state[slot] = window[:, window.shape[1] - conv_state.shape[2] :]
+            km1 = conv_state.shape[2]
+            conv_state[slot] = window[:, window.shape[1] - km1 :]
             y = F.silu(F.conv1d(window[None].to(weight.dtype), weight, groups=self.conv_dim))[0].T.to(x.dtype)  # [n, C]
             q, k, v = self._split_heads(y)
-            o, new_state = chunk_gated_delta_rule(q, k, v, g[start:end], beta[start:end], ssm_state[slot].float())
-            ssm_state[slot] = new_state.to(ssm_state.dtype)
-            core[start:end] = o
+            state = ssm_state[slot]  # [Hv, Dk, Dv], the pool's dtype between pieces
+            lo = 0
+            for hi, row in sorted(captures[i], key=lambda c: c[0]) + [(end - start, None)]:
+                if hi > lo:  # tokens [lo, hi) of the segment, from the state after token lo
+                    o, new_state = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[start + lo : start + hi],
+                                                          beta[start + lo : start + hi], state.float())
+                    state = new_state.to(ssm_state.dtype)
+                    core[start + lo : start + hi] = o
+                    lo = hi
+                if row is not None:
+                    ssm_state[row] = state
+                    conv_state[row] = window[:, hi : hi + km1]  # the last K-1 inputs before token hi
+            ssm_state[slot] = state
         out = self.norm(core.to(x.dtype).reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
         return self.out_proj(out.reshape(x.shape[0], self.value_dim))

@@ -40,8 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="max tokens per sequence, prompt + output (default: the model's max_position_embeddings)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="max requests in one step (default: 64)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of a prompt prefix seen before instead of recomputing it; not yet for "
-                        "hybrid models (default: on)")
+                   help="reuse the KV cache (and, on hybrid models, linear-attention state checkpoints) of a "
+                        "prompt prefix seen before instead of recomputing it (default: on)")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs a request may ask for per token (default: 20)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -70,6 +70,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "memory between their forwards (default: max-num-seqs)")
     h.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the linear-attention recurrent state; auto = the model dtype (default: float32)")
+    h.add_argument("--state-checkpoint-interval", type=int, default=512, metavar="TOKENS",
+                   help="prefix caching: tokens between linear-attention state checkpoints in a prompt, a multiple "
+                        "of --block-size; a hit recomputes at most this many tokens (default: 512)")
+    h.add_argument("--max-state-checkpoints", type=int, default=None,
+                   help="prefix caching: state checkpoints kept on the device (default: max-resident-states)")
+    h.add_argument("--state-checkpoint-host-bytes", type=int, default=1 << 30,
+                   help="prefix caching: bytes of host memory for state checkpoints moved off the device "
+                        "(default: 1073741824; 0 drops them instead)")
     d = p.add_argument_group("sampling defaults")
     d.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="where defaults for sampling fields a request leaves unset come from: auto = the model's "
@@ -134,7 +142,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
                 max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                 generation_config=args.generation_config, max_logprobs=args.max_logprobs,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching,
+                state_checkpoint_interval=args.state_checkpoint_interval,
+                max_state_checkpoints=args.max_state_checkpoints,
+                state_checkpoint_host_bytes=args.state_checkpoint_host_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,21 @@ class _EngineCollector(Collector):
                                       "Prompt tokens found in the prefix cache (not computed).", float(pc.get("hits", 0)))
             yield GaugeMetricFamily("moestream:prefix_cache_blocks", "KV blocks held in the prefix cache.",
                                     float(pc.get("cached_blocks", 0)))
+            if "checkpoints_device" in pc:  # hybrid models: linear-attention state checkpoints
+                count = GaugeMetricFamily("moestream:prefix_cache_state_checkpoints",
+                                          "Linear-attention state checkpoints in the prefix cache, by tier.",
+                                          labels=["tier"])
+                size = GaugeMetricFamily("moestream:prefix_cache_state_checkpoint_bytes",
+                                         "Bytes of linear-attention state checkpoints, by tier.", labels=["tier"])
+                for tier in ("device", "host"):
+                    count.add_metric([tier], float(pc[f"checkpoints_{tier}"]))
+                    size.add_metric([tier], float(pc[f"checkpoint_bytes_{tier}"]))
+                yield count
+                yield size
+                yield CounterMetricFamily("moestream:prefix_cache_recomputed_tokens",
+                                          "Prompt tokens whose KV blocks were cached but were computed again from "
+                                          "the last state checkpoint (hybrid models).",
+                                          float(pc.get("recomputed_tokens", 0)))
         if s.num_state_slots:
             yield GaugeMetricFamily("moestream:state_slots_total",
                                     "Device slots for linear-attention states (hybrid models).", s.num_state_slots)

@@ -1,0 +1,261 @@
+"""KVCacheCoordinator: the one owner of a request's cache state, for every kind of layer.
+
+Follows vLLM v1's KVCacheCoordinator (vllm/v1/core/kv_cache_coordinator.py), which puts
+the full-attention and Mamba managers of a hybrid model behind one interface. Here it
+holds:
+- the paged KV blocks of the full-attention layers and their prefix cache (`KVCacheManager`);
+- hybrid models: the linear-attention state slots (`StatePool`) and the state checkpoints
+  of the prefix cache (`StateCheckpointPool`).
+
+The scheduler calls `find_prefix` / `allocate_slots` / `admit` / `free` while it decides,
+and `prepare_states` once it has chosen the step's requests (it makes their states resident
+and plans the checkpoint captures); the engine calls `commit` after a successful step, or
+`discard` after a failed one. The runner only reads block tables and the step's state
+metadata.
+
+Hybrid prefix caching. A KV block prefix alone cannot skip tokens on a hybrid model: the
+linear-attention layers need their state at the prefix's end. So a hit is the longest
+cached block prefix that ends at a state checkpoint; the cached blocks after that checkpoint
+(up to the "branch point", where the request's tokens leave the cache) are computed again,
+and a checkpoint is captured at the branch point, so that the next request sharing that
+prefix hits all of it (Marconi's checkpointing of branch points, arXiv 2411.19379).
+Checkpoints are captured at block-aligned positions while the model computes:
+- the branch point of a request admitted past a cached prefix;
+- every `state_checkpoint_interval` tokens of a prompt;
+- the last full block of the prompt (and the block before it when the prompt is a whole
+  number of blocks, since a resend of the same prompt can hit at most len - 1 tokens);
+- the last full block of the tokens computed so far during decode (one per request,
+  replaced as the output grows), so a follow-up turn that re-sends the whole exchange hits it.
+The attention block size stays what the user set; a hit recomputes at most
+`state_checkpoint_interval` tokens beyond the last checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moestream.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from moestream.engine.request import Request
+from moestream.engine.state_checkpoints import StateCheckpointPool
+from moestream.engine.state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached prefix a waiting request can start after.
+
+    Attributes:
+        blocks: KV block ids to take, in order (`num_tokens / block_size` of them).
+        num_tokens: tokens not computed (a multiple of the block size).
+        checkpoint: hybrid models: the block hash of the state checkpoint to restore, or None.
+        branch_point: tokens whose KV blocks are cached (>= num_tokens); on a hybrid model
+            the ones past `num_tokens` are recomputed and a checkpoint is captured here.
+    """
+
+    blocks: list[int]
+    num_tokens: int
+    checkpoint: bytes | None = None
+    branch_point: int = 0
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The step's linear-attention state placement, from `prepare_states`.
+
+    Attributes:
+        slots: [B] the state slot of each scheduled request.
+        captures: [B] per request, (offset, tensor row or None) pairs: after computing
+            `offset` of its new tokens (1 <= offset <= its token count this step), the layer
+            copies the state into checkpoint row `row` (`StateMetadata.captures`).
+    """
+
+    slots: list[int]
+    captures: list[list[tuple[int, int | None]]]
+
+
+class KVCacheCoordinator:
+    """Allocation, prefix hits and freeing across KV blocks, state slots and checkpoints.
+
+    Args:
+        kv: the block manager of the full-attention layers.
+        state_pool: hybrid models: the linear-attention state slots; None otherwise.
+        checkpoints: hybrid models with prefix caching: the state checkpoint pool.
+        state_checkpoint_interval: tokens between checkpoints in a prompt (a multiple of
+            the block size).
+
+    Raises:
+        ValueError: an interval that is not a positive multiple of the block size.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        state_pool: StatePool | None = None,
+        checkpoints: StateCheckpointPool | None = None,
+        state_checkpoint_interval: int = 512,
+    ) -> None:
+        if state_checkpoint_interval < 1 or state_checkpoint_interval % kv.block_size:
+            raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {kv.block_size}, "
+                             f"got {state_checkpoint_interval}")
+        self.kv = kv
+        self.state_pool = state_pool
+        self.checkpoints = checkpoints
+        self.interval = state_checkpoint_interval
+        if checkpoints is not None:
+            kv.on_evict = checkpoints.drop  # a checkpoint goes with the block it ends on
+        self._restore: dict[str, bytes] = {}  # request id -> checkpoint to restore at its first forward
+        self._branch: dict[str, int] = {}  # request id -> branch point to capture
+        self._output_ckpt: dict[str, bytes] = {}  # request id -> its latest decode checkpoint
+        self._pending: list[tuple[Request, bytes, int, int, bool]] = []  # (request, key, tokens, row, decode)
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.block_size
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return self.kv.stats
+
+    @property
+    def max_states(self) -> int | None:
+        """Requests one step can run (state slots) on a hybrid model; None otherwise."""
+        return None if self.state_pool is None else self.state_pool.max_resident
+
+    # ---- admission ------------------------------------------------------------------
+
+    def find_prefix(self, req: Request) -> PrefixHit:
+        """The longest usable cached prefix of a waiting request's tokens (nothing taken)."""
+        blocks = self.kv.get_computed_blocks(req.request_id, req.token_ids)
+        bs = self.block_size
+        if self.state_pool is None:
+            return PrefixHit(blocks, len(blocks) * bs, None, len(blocks) * bs)
+        if self.checkpoints is None or not blocks:
+            return PrefixHit([], 0, None, 0)
+        hashes = self.kv.block_hashes(req.request_id, req.token_ids, len(blocks))
+        j = len(blocks)
+        while j > 0 and hashes[j - 1] not in self.checkpoints:
+            j -= 1
+        return PrefixHit(blocks[:j], j * bs, hashes[j - 1] if j else None, len(blocks) * bs)
+
+    def allocate_slots(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Blocks for `num_tokens` of `req`'s tokens (a new request's table starts with
+        `hit.blocks`). Returns False, taking nothing, when the pool is too small."""
+        return self.kv.allocate_slots(req.request_id, num_tokens, hit.blocks if hit is not None else ())
+
+    def admit(self, req: Request, hit: PrefixHit) -> None:
+        """Record an admitted request's hit: it starts at `hit.num_tokens`, its state comes
+        from `hit.checkpoint` at its first forward."""
+        self.kv.record_query(req.num_tokens, hit.num_tokens)
+        req.num_computed_tokens = hit.num_tokens
+        if self.state_pool is not None:
+            self.stats.recomputed += hit.branch_point - hit.num_tokens
+            if hit.checkpoint is not None:
+                self._restore[req.request_id] = hit.checkpoint
+            if hit.branch_point > hit.num_tokens:
+                self._branch[req.request_id] = hit.branch_point
+
+    def free(self, req: Request) -> None:
+        """Give back `req`'s blocks and state slot (finished, aborted or preempted). On a
+        hybrid model, its blocks after its last checkpoint are evicted first."""
+        rid = req.request_id
+        useful = None
+        if self.checkpoints is not None:
+            table = self.kv.block_table(rid)
+            n = min(len(table), req.num_computed_tokens // self.block_size)
+            hashes = self.kv.block_hashes(rid, req.token_ids, n) if n else []
+            useful = next((i + 1 for i in reversed(range(n)) if hashes[i] in self.checkpoints), 0)
+        self.kv.free(rid, useful)
+        if self.state_pool is not None:
+            self.state_pool.free(rid)
+        self._restore.pop(rid, None)
+        self._branch.pop(rid, None)
+        self._output_ckpt.pop(rid, None)
+
+    # ---- the step -------------------------------------------------------------------
+
+    def prepare_states(self, scheduled: list[tuple[Request, int]]) -> StatePlan | None:
+        """Make the scheduled requests' states resident (swapping others out; a request
+        starting at token 0 gets a zeroed state, one with a hit its checkpoint) and plan
+        the checkpoint captures of this step. None on a model without linear layers.
+
+        Raises:
+            ValueError: more requests than state slots.
+        """
+        if self.state_pool is None:
+            return None
+        ids = [r.request_id for r, _ in scheduled]
+        fresh = [r.num_computed_tokens == 0 or r.request_id in self._restore for r, _ in scheduled]
+        slots = self.state_pool.prepare(ids, fresh)
+        for rid in ids:
+            key = self._restore.pop(rid, None)
+            if key is not None:
+                self.checkpoints.restore(key, rid)
+        captures = [self._plan_captures(r, n) for r, n in scheduled]
+        return StatePlan(slots, captures)
+
+    def _plan_captures(self, req: Request, n: int) -> list[tuple[int, int | None]]:
+        if self.checkpoints is None or self.checkpoints.num_rows == 0:
+            return []
+        bs, start, end = self.block_size, req.num_computed_tokens, req.num_computed_tokens + n
+        plen = req.num_prompt_tokens
+        wanted = {p for p in range(start + (-start % self.interval), min(end, plen) + 1, self.interval) if p > start}
+        wanted |= {p for p in (plen // bs * bs, (plen - 1) // bs * bs, self._branch.get(req.request_id, 0))
+                   if start < p <= end}
+        decode_at = end // bs * bs
+        decode = decode_at > plen and decode_at > start and decode_at not in wanted
+        if decode:
+            wanted.add(decode_at)
+        out: list[tuple[int, int | None]] = []
+        for p in sorted(wanted):
+            if p == 0:
+                continue
+            key = self.kv.block_hashes(req.request_id, req.token_ids, p // bs)[-1]
+            row = None
+            if key not in self.checkpoints and all(k != key for _, k, _, _, _ in self._pending):
+                if decode and p == decode_at:  # the request's previous decode checkpoint gives way
+                    old = self._output_ckpt.pop(req.request_id, None)
+                    if old is not None:
+                        self.checkpoints.drop(old)
+                row = self.checkpoints.take_row()
+                if row is not None:
+                    self._pending.append((req, key, p, row, decode and p == decode_at))
+            out.append((p - start, row))  # split here even without a row: the pieces a hit runs
+        return out
+
+    def commit(self, scheduled: list[tuple[Request, int]]) -> None:
+        """After a successful step (`num_computed_tokens` advanced): register the computed
+        full blocks in the prefix cache and the captured checkpoints under their block hashes."""
+        for req, _ in scheduled:
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self._branch.pop(req.request_id, None)
+        bs = self.block_size
+        for req, key, num_tokens, row, decode in self._pending:
+            rid = req.request_id
+            chain = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs - 1)
+            parent = next((h for h in reversed(chain) if h in self.checkpoints), None)
+            if self.checkpoints.register(key, num_tokens, row, parent) and decode:
+                self._output_ckpt[rid] = key
+        self._pending.clear()
+
+    def discard(self) -> None:
+        """After a failed step: give back the rows planned for captures."""
+        for _, _, _, row, _ in self._pending:
+            self.checkpoints.release_row(row)
+        self._pending.clear()
+
+    # ---- reading --------------------------------------------------------------------
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.kv.block_table(request_id)
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache figures: enabled, queries, hits, hit_rate (tokens), evictions
+        (blocks), cached_blocks, recomputed_tokens; on hybrid models also the checkpoint
+        counts and bytes per tier (`StateCheckpointPool.as_dict`)."""
+        kv = self.kv
+        out = {"enabled": kv.enable_prefix_caching, "queries": kv.stats.queries, "hits": kv.stats.hits,
+               "hit_rate": kv.stats.hit_rate, "evictions": kv.stats.evictions, "cached_blocks": kv.num_cached_blocks,
+               "recomputed_tokens": kv.stats.recomputed}
+        if self.checkpoints is not None:
+            out.update(self.checkpoints.as_dict())
+        return out

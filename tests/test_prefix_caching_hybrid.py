@@ -1,0 +1,165 @@
+"""Prefix caching on hybrid models (Qwen3-Next, Qwen3.5-MoE): linear-attention state
+checkpoints. A hit whose checkpoint lies an interval before the cached prefix's end
+recomputes exactly the tokens between, and the next sighting hits the branch point; the
+checkpoint tiers (device rows, host copies, eviction) keep output exact; bf16 hits equal
+misses up to counted near-ties; the block size stays what was set; the pool's eviction
+order follows Marconi's value (recency + tokens saved per byte)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import HFReference
+from parity import LogitsRecorder, check_all, greedy_params
+
+from moestream import LLM, SamplingParams
+from moestream.engine.state_checkpoints import StateCheckpointPool
+from moestream.engine.state_pool import StatePool
+
+BS = 16
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 30000) for _ in range(n)]
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = 32):
+    recs = [LogitsRecorder() for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy_params(r, max_tokens) for r in recs])
+    return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)], [o.num_cached_tokens for o in outs]
+
+
+def test_hit_recomputes_from_the_checkpoint_an_interval_back(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+    rng = random.Random(21)
+    first = _tokens(rng, 150)  # checkpoints at 64, 128 (interval) and 144 (last full block)
+    llm = LLM(hybrid_dir, dtype="float32", max_model_len=512, block_size=BS, state_checkpoint_interval=64)
+    _run(llm, [first])
+    assert llm.prefix_cache_stats()["recomputed_tokens"] == 0
+    # 112 tokens (7 blocks) are cached as KV, but the last checkpoint at or before 112 is at 64:
+    # the hit is 64 tokens and 48 are recomputed, capturing a checkpoint at the branch point 112.
+    second = first[:112] + _tokens(rng, 30)
+    results, cached = _run(llm, [second])
+    assert cached == [64]
+    assert llm.prefix_cache_stats()["recomputed_tokens"] == 48
+    check_all([second], results, hybrid_reference, "hit at the interval checkpoint")
+    third = first[:112] + _tokens(rng, 9)
+    results, cached = _run(llm, [third])
+    assert cached == [112]  # the branch point's checkpoint
+    assert llm.prefix_cache_stats()["recomputed_tokens"] == 48
+    check_all([third], results, hybrid_reference, "hit at the branch point")
+    assert llm.llm_engine.kv_cache.block_size == BS  # the attention block size stays what was set
+
+
+def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str) -> None:
+    """1 device checkpoint row and a host tier of 2: checkpoints move to the host, are
+    restored from there, and are evicted; every output equals the run without caching."""
+    rng = random.Random(22)
+    prefixes = [_tokens(rng, 48), _tokens(rng, 64)]
+    prompts = [prefixes[i % 2] + _tokens(rng, 5 + 3 * i) for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    want = [plain.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    probe = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2)
+    size = probe.llm_engine.state_pool.bytes_per_state
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2, max_state_checkpoints=1,
+              state_checkpoint_host_bytes=2 * size)
+    got, cached = [], []
+    for p in prompts:  # one at a time, so each can hit what the earlier ones left
+        out = llm.generate([{"prompt_token_ids": p}], params)[0]
+        got.append(out.outputs[0].token_ids)
+        cached.append(out.num_cached_tokens)
+    assert got == want
+    stats = llm.prefix_cache_stats()
+    pool = llm.llm_engine.coordinator.checkpoints
+    assert stats["checkpoints_device"] <= 1 and stats["checkpoints_host"] <= 2
+    assert stats["checkpoint_demotions"] > 0 and stats["checkpoint_evictions"] > 0
+    assert pool.stats.restores == sum(1 for c in cached if c) > 0
+    assert stats["checkpoint_bytes_host"] == stats["checkpoints_host"] * size
+    kv = llm.llm_engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not llm.llm_engine.requests
+
+
+def test_bf16_hit_equals_miss_up_to_counted_near_ties(hybrid_dir: str) -> None:
+    rng = random.Random(23)
+    prefix = _tokens(rng, 3 * BS)
+    prompts = [prefix + _tokens(rng, n) for n in (5, 100, 400)] + [_tokens(rng, BS + 1)]
+    kw = dict(dtype="bfloat16", max_model_len=512, block_size=BS)
+    miss = LLM(hybrid_dir, enable_prefix_caching=False, **kw)
+    misses, _ = _run(miss, prompts)
+    llm = LLM(hybrid_dir, **kw)
+    _run(llm, [prefix + _tokens(rng, 3)] + [prompts[-1]])  # caches the prefix and the last prompt
+    hits, cached = _run(llm, prompts)
+    assert cached == [48, 48, 48, 16]
+    near_ties = []
+    for (tok_m, rec_m), (tok_h, _), p in zip(misses, hits, prompts):
+        i = next((i for i, (a, b) in enumerate(zip(tok_m, tok_h)) if a != b), None)
+        if i is None:
+            assert tok_m == tok_h
+            continue
+        top2 = rec_m.logits[i].float().topk(2).values
+        gap = (top2[0] - top2[1]).item()
+        # A near-tie: a top-2 gap below 1e-2, or of one bf16 step where the logits are too large
+        # for bf16 to tell 1e-2 apart (0.0156 for logits in [2, 4)).
+        ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(top2[0].abs())).item()
+        assert gap < 1e-2 or gap <= ulp, (
+            f"prompt of {len(p)}: hit and miss differ at output {i} with a top-2 gap of {gap} (bf16 step {ulp})")
+        near_ties.append((len(p), i, gap))
+    # Each flip is counted and printed (prompt length, output position, top-2 gap).
+    print(f"bf16 hit vs miss: {len(near_ties)} near-tie flips of {len(prompts)} prompts: {near_ties}")
+
+
+def test_no_checkpoints_without_prefix_caching(qwen3_next_dir: str) -> None:
+    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=128, enable_prefix_caching=False)
+    assert llm.llm_engine.coordinator.checkpoints is None
+    assert llm.llm_engine.state_pool.num_checkpoint_rows == 0
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"state_checkpoint_interval": 24}, "state_checkpoint_interval must be a positive multiple of block_size 16"),
+    ({"max_state_checkpoints": -1}, "max_state_checkpoints must be a non-negative integer"),
+    ({"state_checkpoint_host_bytes": -5}, "state_checkpoint_host_bytes must be a non-negative integer"),
+])
+def test_bad_checkpoint_settings(qwen3_next_dir: str, bad: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        LLM(qwen3_next_dir, dtype="float32", max_model_len=128, **bad)
+
+
+# ---- the checkpoint pool on its own ----------------------------------------------------
+
+
+def _pool(rows: int, host: int) -> tuple[StatePool, StateCheckpointPool]:
+    sp = StatePool(1, (4, 3), (2, 3, 3), torch.float32, torch.float32, 1, torch.device("cpu"), num_checkpoint_rows=rows)
+    return sp, StateCheckpointPool(sp, host * sp.bytes_per_state)
+
+
+def test_pool_demotes_least_valuable_and_restores_bit_exact() -> None:
+    sp, pool = _pool(rows=2, host=1)
+    sp.prepare(["r"], [True])
+    values = {}
+    for key, tokens in ((b"a", 16), (b"b", 512)):
+        row = pool.take_row()
+        sp.conv[0][row].normal_()
+        sp.ssm[0][row].normal_()
+        values[key] = (sp.conv[0][row].clone(), sp.ssm[0][row].clone())
+        pool.register(key, tokens, row)
+    # Full: "a" (older and 16 tokens) is worth less than "b" (newer, 512 tokens): it moves to the host.
+    row = pool.take_row()
+    assert pool.get(b"a").host is not None and pool.get(b"a").row is None and pool.get(b"b").row is not None
+    pool.register(b"c", 32, row)
+    pool.restore(b"a", "r")  # from the host tier
+    slot = sp.slot_of("r")
+    assert torch.equal(sp.conv[0][slot], values[b"a"][0]) and torch.equal(sp.ssm[0][slot], values[b"a"][1])
+    # The host tier holds 1: the next demotion drops the least valuable host checkpoint ("a").
+    pool.take_row()
+    assert b"a" not in pool and pool.stats.evictions == 1 and pool.num_host() == 1
+    assert pool.register(b"b", 512, 0) is False  # a key keeps its first checkpoint
+
+
+def test_pool_without_rows_or_host() -> None:
+    sp, pool = _pool(rows=0, host=0)
+    assert pool.take_row() is None
+    sp, pool = _pool(rows=1, host=0)
+    pool.register(b"a", 16, pool.take_row())
+    assert pool.take_row() is not None and b"a" not in pool and pool.stats.evictions == 1
