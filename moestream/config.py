@@ -452,7 +452,8 @@ class EngineConfig:
             state checkpoints taken in a prompt (a multiple of block_size; default 512). A
             hit recomputes at most this many tokens past the last checkpoint.
         max_state_checkpoints: hybrid models with prefix caching: state checkpoints kept on
-            the device (each the size of one request's state); None = max_resident_states.
+            the device (each the size of one request's state); None = 8, or the number of
+            state slots if that is smaller.
         state_checkpoint_host_bytes: hybrid models with prefix caching: bytes of host memory
             for checkpoints moved off the device (default 1 GiB; 0 = drop them instead).
     """

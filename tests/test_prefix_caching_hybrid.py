@@ -163,3 +163,56 @@ def test_pool_without_rows_or_host() -> None:
     sp, pool = _pool(rows=1, host=0)
     pool.register(b"a", 16, pool.take_row())
     assert pool.take_row() is not None and b"a" not in pool and pool.stats.evictions == 1
+
+
+# ---- the coordinator's capture plan ---------------------------------------------------
+
+
+def _coordinator(rows: int = 8):
+    from moestream.engine.kv_cache import KVCacheManager
+    from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
+
+    sp, pool = _pool(rows=rows, host=0)  # 1 state slot
+    return KVCacheCoordinator(KVCacheManager(64, 4, True), sp, pool, state_checkpoint_interval=8)
+
+
+def _req(rid: str, n: int):
+    from moestream.engine.request import Request
+
+    return Request(rid, None, list(range(100, 100 + n)), SamplingParams())
+
+
+def test_capture_plan_intervals_prompt_end_branch_and_decode() -> None:
+    coord = _coordinator()
+    r = _req("a", 19)  # interval 8, block 4: checkpoints at 8, 16 (interval, last full block of 19)
+    hit = coord.find_prefix(r)
+    assert coord.allocate_slots(r, 19, hit)
+    coord.admit(r, hit)
+    plan = coord.prepare_states([(r, 10)])  # a chunk of 10: only 8 falls in it
+    assert [o for o, _ in plan.captures[0]] == [8]
+    r.num_computed_tokens = 10
+    coord.commit([(r, 10)])
+    plan = coord.prepare_states([(r, 9)])  # tokens 10..18: 16 (interval and last full block)
+    assert [o for o, _ in plan.captures[0]] == [6]
+    r.num_computed_tokens = 19
+    coord.commit([(r, 9)])
+    assert len(coord.checkpoints) == 2
+    for _ in range(5):  # decode: one checkpoint at each block end past the prompt (20, then 24)
+        r.token_ids.append(7)
+        assert coord.allocate_slots(r, r.num_computed_tokens + 1)
+        plan = coord.prepare_states([(r, 1)])
+        assert [o for o, _ in plan.captures[0]] == ([1] if (r.num_computed_tokens + 1) % 4 == 0 else [])
+        r.num_computed_tokens += 1
+        coord.commit([(r, 1)])
+    assert len(coord.checkpoints) == 3  # 8, 16, and the latest decode one (24 replaced 20)
+    coord.free(r)
+    # A prompt sharing 12 tokens: KV for 12 is cached, the last checkpoint at or before is 8.
+    s = _req("b", 15)
+    s.token_ids[12:] = s.prompt_token_ids[12:] = [1, 2, 3]
+    hit = coord.find_prefix(s)
+    assert (hit.num_tokens, hit.branch_point) == (8, 12)
+    assert coord.allocate_slots(s, 15, hit)
+    coord.admit(s, hit)
+    plan = coord.prepare_states([(s, 7)])  # from 8: the branch point 12 (block 3 ends there)
+    assert [o for o, _ in plan.captures[0]] == [4]
+    assert coord.stats.recomputed == 4

@@ -29,6 +29,30 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
 
 
+DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+def num_kv_blocks(budget_bytes: int | None, block_bytes: int, block_size: int, max_model_len: int,
+                  max_num_seqs: int) -> int:
+    """Blocks in the KV pool: `budget_bytes` // `block_bytes`, or, with no budget, enough for
+    `max_num_seqs` sequences of `max_model_len` tokens, capped at 4 GiB.
+
+    Raises:
+        ValueError: the pool cannot hold one sequence of max_model_len tokens.
+    """
+    blocks_per_seq = (max_model_len + block_size - 1) // block_size
+    if budget_bytes is None:
+        budget_bytes = min(DEFAULT_KV_CAP_BYTES, max_num_seqs * blocks_per_seq * block_bytes)
+    num_blocks = budget_bytes // block_bytes
+    if num_blocks < blocks_per_seq:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget_bytes} gives {num_blocks} blocks of {block_bytes} bytes, but one "
+            f"sequence of max_model_len={max_model_len} needs {blocks_per_seq}; raise "
+            f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
+        )
+    return num_blocks
+
+
 def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The chained hash of one full block: sha256 of the parent block's hash (b"" for the
     first block) and the block's token ids (as int64). 32 bytes."""

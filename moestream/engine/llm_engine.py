@@ -13,7 +13,7 @@ import torch
 from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import InputProcessor, PromptType
-from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes
+from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, num_kv_blocks
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.output_processor import OutputProcessor
@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "PromptType"]
 
-_DEFAULT_KV_CAP_BYTES = 4 << 30
+# A state checkpoint is a whole request state (about 74 MiB on Qwen3-Next-80B): few on the
+# device by default, the rest in host memory (state_checkpoint_host_bytes).
+_DEFAULT_DEVICE_CHECKPOINTS = 8
 
 
 def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:
@@ -94,17 +96,8 @@ class LLMEngine:
         model = self._load(mcfg)
         bs = config.block_size
         self.kv_cache_block_bytes = block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
-        blocks_per_seq = (self.max_model_len + bs - 1) // bs
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
-            budget = min(_DEFAULT_KV_CAP_BYTES, config.max_num_seqs * blocks_per_seq * block_bytes)
-        num_blocks = budget // block_bytes
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"kv_cache_memory_bytes={budget} gives {num_blocks} blocks of {block_bytes} bytes, but one "
-                f"sequence of max_model_len={self.max_model_len} needs {blocks_per_seq}; raise "
-                f"kv_cache_memory_bytes to at least {blocks_per_seq * block_bytes} or lower max_model_len"
-            )
+        num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, self.max_model_len,
+                                   config.max_num_seqs)
         kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
         self.state_pool = self._make_state_pool(mcfg) if mcfg.is_hybrid else None
         checkpoints = None
@@ -167,7 +160,7 @@ class LLMEngine:
             self.device,
             num_checkpoint_rows=0 if not cfg.enable_prefix_caching else (
                 cfg.max_state_checkpoints if cfg.max_state_checkpoints is not None
-                else cfg.max_resident_states or cfg.max_num_seqs),
+                else min(_DEFAULT_DEVICE_CHECKPOINTS, cfg.max_resident_states or cfg.max_num_seqs)),
         )
 
     def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:

@@ -20,7 +20,8 @@ saves one block):
 
     value = recency + alpha * saved_tokens / max saved_tokens,    recency in [0, 1]
 
-(both normalised over the candidates; alpha = `EVICTION_ALPHA`).
+(both normalised over the candidates; alpha = `eviction_alpha`, default `EVICTION_ALPHA`;
+0 is plain LRU). bench/checkpoint_eviction.py measures hit rates against alpha.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class StateCheckpointPool:
 
     state_pool: StatePool
     host_bytes: int
+    eviction_alpha: float = EVICTION_ALPHA
     stats: CheckpointStats = field(default_factory=CheckpointStats)
 
     def __post_init__(self) -> None:
@@ -182,7 +184,7 @@ class StateCheckpointPool:
 
         def value(c: Checkpoint) -> tuple[float, int]:
             recency = (c.last_used - lo) / (hi - lo) if hi > lo else 1.0
-            return recency + EVICTION_ALPHA * saved[c.key] / most, c.last_used
+            return recency + self.eviction_alpha * saved[c.key] / most, c.last_used
 
         return min(cands, key=value)
 

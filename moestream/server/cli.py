@@ -74,7 +74,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefix caching: tokens between linear-attention state checkpoints in a prompt, a multiple "
                         "of --block-size; a hit recomputes at most this many tokens (default: 512)")
     h.add_argument("--max-state-checkpoints", type=int, default=None,
-                   help="prefix caching: state checkpoints kept on the device (default: max-resident-states)")
+                   help="prefix caching: state checkpoints kept on the device (default: 8, or max-resident-states if fewer)")
     h.add_argument("--state-checkpoint-host-bytes", type=int, default=1 << 30,
                    help="prefix caching: bytes of host memory for state checkpoints moved off the device "
                         "(default: 1073741824; 0 drops them instead)")
