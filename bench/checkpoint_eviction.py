@@ -1,6 +1,6 @@
 """Hybrid prefix caching under a tight state-checkpoint budget: hit rate against the
 eviction rule's alpha (0 = LRU; larger weighs the tokens a checkpoint saves beyond its parent
-more, as Marconi does).
+more, as Marconi does) and its bonus for checkpoints hit before (0 or 1).
 
 The workload interleaves, in a seeded random order, one request at a time:
 - 4 system prompts (192 to 576 tokens) each followed by 12 distinct 24-token questions;
@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from report import pyplot, write_markdown  # noqa: E402
 
-ALPHAS = (0.0, 0.5, 1.0, 2.0, 4.0)
+ALPHAS = (0.0, 1.0, 2.0, 4.0, 8.0)
+BONUSES = (0.0, 1.0)
 NEW_TOKENS = 8
 
 
@@ -56,7 +57,7 @@ def workload(seed: int = 0) -> list[tuple[str, list[int]]]:
     return items
 
 
-def run(ckpt: str, alpha: float, device_ckpts: int, host_ckpts: int) -> dict:
+def run(ckpt: str, alpha: float, bonus: float, device_ckpts: int, host_ckpts: int) -> dict:
     from moestream import LLM, SamplingParams
 
     probe = LLM(ckpt, dtype="float32", max_model_len=2048, enable_prefix_caching=False)
@@ -65,6 +66,7 @@ def run(ckpt: str, alpha: float, device_ckpts: int, host_ckpts: int) -> dict:
     llm = LLM(ckpt, dtype="float32", max_model_len=2048, state_checkpoint_interval=64,
               max_state_checkpoints=device_ckpts, state_checkpoint_host_bytes=host_ckpts * size)
     llm.llm_engine.coordinator.checkpoints.eviction_alpha = alpha
+    llm.llm_engine.coordinator.checkpoints.hit_bonus = bonus
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     history: dict[str, list[int]] = {}
     per_kind: dict[str, list[int]] = {}
@@ -79,7 +81,7 @@ def run(ckpt: str, alpha: float, device_ckpts: int, host_ckpts: int) -> dict:
         stats[0] += out.num_cached_tokens or 0
         stats[1] += len(prompt)
     s = llm.prefix_cache_stats()
-    return {"alpha": alpha, "hit_rate": s["hits"] / s["queries"], "hits": s["hits"], "queries": s["queries"],
+    return {"alpha": alpha, "hit_bonus": bonus, "hit_rate": s["hits"] / s["queries"], "hits": s["hits"], "queries": s["queries"],
             "recomputed_tokens": s["recomputed_tokens"], "checkpoint_evictions": s["checkpoint_evictions"],
             "hit_rate_by_kind": {k: v[0] / v[1] for k, v in per_kind.items()}, "wall_s": time.perf_counter() - start}
 
@@ -88,15 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device-checkpoints", type=int, default=4)
     ap.add_argument("--host-checkpoints", type=int, default=4)
+    ap.add_argument("--alphas", default=",".join(f"{a:g}" for a in ALPHAS), help="comma-separated alphas")
+    ap.add_argument("--bonuses", default=",".join(f"{b:g}" for b in BONUSES), help="comma-separated hit bonuses")
     ap.add_argument("--out", default="bench/results/checkpoint_eviction", help="output path prefix")
     args = ap.parse_args(argv)
+    alphas = [float(a) for a in args.alphas.split(",")]
+    bonuses = [float(b) for b in args.bonuses.split(",")]
     import torch
     from tiny_checkpoint import make_tiny_checkpoint
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(os.path.join(tmp, "next"), "qwen3_next", seed=2, max_position_embeddings=2048)
-        results = [run(ckpt, a, args.device_checkpoints, args.host_checkpoints) for a in ALPHAS]
+        results = [run(ckpt, a, b, args.device_checkpoints, args.host_checkpoints) for b in bonuses for a in alphas]
     for r in results:
         print(json.dumps(r), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -106,19 +112,20 @@ def main(argv: list[str] | None = None) -> int:
     kinds = sorted(results[0]["hit_rate_by_kind"])
     lines = [f"# State-checkpoint eviction: hit rate against alpha ({args.device_checkpoints} device + "
              f"{args.host_checkpoints} host checkpoints)", "",
-             "| alpha | hit rate | " + " | ".join(f"{k} hit rate" for k in kinds) + " | recomputed tokens | "
-             "checkpoint evictions |", "|---:|---:|" + "---:|" * len(kinds) + "---:|---:|"]
+             "| alpha | hit bonus | hit rate | " + " | ".join(f"{k} hit rate" for k in kinds) + " | recomputed tokens | "
+             "checkpoint evictions |", "|---:|---:|---:|" + "---:|" * len(kinds) + "---:|---:|"]
     for r in results:
-        lines.append(f"| {r['alpha']:g}{' (LRU)' if r['alpha'] == 0 else ''} | {r['hit_rate']:.1%} | "
+        lru = r["alpha"] == 0 and r["hit_bonus"] == 0
+        lines.append(f"| {r['alpha']:g}{' (LRU)' if lru else ''} | {r['hit_bonus']:g} | {r['hit_rate']:.1%} | "
                      + " | ".join(f"{r['hit_rate_by_kind'][k]:.1%}" for k in kinds)
                      + f" | {r['recomputed_tokens']} | {r['checkpoint_evictions']} |")
     write_markdown(args.out + ".md", lines)
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["alpha"] for r in results], [100 * r["hit_rate"] for r in results], "o-", label="all")
-        for k in kinds:
-            ax.plot([r["alpha"] for r in results], [100 * r["hit_rate_by_kind"][k] for r in results], ".--", label=k)
+        for b in bonuses:
+            rs = [r for r in results if r["hit_bonus"] == b]
+            ax.plot([r["alpha"] for r in rs], [100 * r["hit_rate"] for r in rs], "o-", label=f"hit bonus {b:g}")
         ax.set_xlabel("eviction alpha (0 = LRU)")
         ax.set_ylabel("hit rate (%)")
         ax.set_title("Hybrid prefix cache under a tight checkpoint budget")

@@ -21,3 +21,17 @@ def test_expert_offload_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
     assert data["meta"]["outputs_identical_across_budgets"] is True
     assert data["rows"][0]["hit_rate"] == 1.0 and data["rows"][1]["missed_bytes"] > 0
     assert open(out + ".md").read().count("\n") == 2 + 3
+
+
+def test_checkpoint_eviction_bench_runs(tmp_path) -> None:
+    """LRU against the default rule: both hit, and the default hits more (the workload is fixed)."""
+    out = str(tmp_path / "eviction")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "checkpoint_eviction.py"), "--alphas", "0,2", "--bonuses", "0",
+           "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.load(open(out + ".json"))["results"]
+    assert [(r["alpha"], r["hit_bonus"]) for r in rows] == [(0.0, 0.0), (2.0, 0.0)]
+    assert 0 < rows[0]["hit_rate"] < rows[1]["hit_rate"] < 1
+    assert rows[0]["queries"] == rows[1]["queries"] > 0
+    assert open(out + ".md").read().count("\n") == 2 + 2 + 2

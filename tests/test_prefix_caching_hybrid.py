@@ -216,3 +216,19 @@ def test_capture_plan_intervals_prompt_end_branch_and_decode() -> None:
     plan = coord.prepare_states([(s, 7)])  # from 8: the branch point 12 (block 3 ends there)
     assert [o for o, _ in plan.captures[0]] == [4]
     assert coord.stats.recomputed == 4
+
+
+def test_pool_keeps_a_checkpoint_that_was_hit() -> None:
+    """Equal tokens saved: without hits the older goes first (LRU); a hit earns a bonus as
+    large as the whole recency range, so the newer never-hit one goes instead."""
+    for hit, evicted in ((False, b"old"), (True, b"new")):
+        sp, pool = _pool(rows=2, host=0)
+        sp.prepare(["r"], [True])
+        pool.register(b"old", 64, pool.take_row())
+        if hit:
+            pool.restore(b"old", "r")
+        pool.register(b"new", 64, pool.take_row())
+        if hit:  # restoring made "old" the most recent; touch "new" after it
+            pool.get(b"new").last_used = pool.get(b"old").last_used + 1
+        pool.take_row()
+        assert evicted not in pool and len(pool) == 1
