@@ -52,9 +52,11 @@ def test_hit_recomputes_from_the_checkpoint_an_interval_back(hybrid_dir: str, hy
     assert llm.llm_engine.kv_cache.block_size == BS  # the attention block size stays what was set
 
 
-def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str) -> None:
-    """1 device checkpoint row and a host tier of 2: checkpoints move to the host, are
-    restored from there, and are evicted; every output equals the run without caching."""
+@pytest.mark.parametrize("host_checkpoints", [2, 0])
+def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str, host_checkpoints: int) -> None:
+    """1 device checkpoint row and a host tier of 2 (or none): checkpoints move to the host,
+    are restored from there, and are evicted; every output equals the run without caching.
+    With no host tier this caught one row shared by two checkpoints."""
     rng = random.Random(22)
     prefixes = [_tokens(rng, 48), _tokens(rng, 64)]
     prompts = [prefixes[i % 2] + _tokens(rng, 5 + 3 * i) for i in range(8)]
@@ -64,7 +66,7 @@ def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str) 
     probe = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2)
     size = probe.llm_engine.state_pool.bytes_per_state
     llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2, max_state_checkpoints=1,
-              state_checkpoint_host_bytes=2 * size)
+              state_checkpoint_host_bytes=host_checkpoints * size)
     got, cached = [], []
     for p in prompts:  # one at a time, so each can hit what the earlier ones left
         out = llm.generate([{"prompt_token_ids": p}], params)[0]
@@ -73,9 +75,11 @@ def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str) 
     assert got == want
     stats = llm.prefix_cache_stats()
     pool = llm.llm_engine.coordinator.checkpoints
-    assert stats["checkpoints_device"] <= 1 and stats["checkpoints_host"] <= 2
-    assert stats["checkpoint_demotions"] > 0 and stats["checkpoint_evictions"] > 0
-    assert pool.stats.restores == sum(1 for c in cached if c) > 0
+    assert stats["checkpoints_device"] <= 1 and stats["checkpoints_host"] <= host_checkpoints
+    assert (stats["checkpoint_demotions"] > 0) is (host_checkpoints > 0) and stats["checkpoint_evictions"] > 0
+    assert pool.num_device() + len(pool._free_rows) == 1  # every row either free or held by one checkpoint
+    assert pool.stats.restores == sum(1 for c in cached if c)
+    assert (pool.stats.restores > 0) is (host_checkpoints > 0)  # one row alone is taken by each decode checkpoint
     assert stats["checkpoint_bytes_host"] == stats["checkpoints_host"] * size
     kv = llm.llm_engine.kv_cache
     assert kv.num_free_blocks == kv.num_blocks and not llm.llm_engine.requests
@@ -162,7 +166,13 @@ def test_pool_without_rows_or_host() -> None:
     assert pool.take_row() is None
     sp, pool = _pool(rows=1, host=0)
     pool.register(b"a", 16, pool.take_row())
-    assert pool.take_row() is not None and b"a" not in pool and pool.stats.evictions == 1
+    # Regression: without a host tier the evicted checkpoint's row went back to the free list
+    # and to the caller, so two checkpoints shared one row (wrong tokens on a later hit).
+    row = pool.take_row()
+    assert row == sp.checkpoint_row(0) and b"a" not in pool and pool.stats.evictions == 1
+    assert pool._free_rows == []
+    pool.register(b"b", 32, row)
+    assert pool.take_row() == row and b"b" not in pool and pool._free_rows == [] and len(pool) == 0
 
 
 # ---- the coordinator's capture plan ---------------------------------------------------

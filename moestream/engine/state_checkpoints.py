@@ -144,8 +144,9 @@ class StateCheckpointPool:
             victim.host = self.state_pool.read_row(row)
             victim.row = None
             self.stats.demotions += 1
-        else:
-            self._evict(victim)
+        else:  # no host tier: drop it; its row goes to the caller, not back to the free list
+            del self._entries[victim.key]
+            self.stats.evictions += 1
         return row
 
     def release_row(self, row: int) -> None:
