@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -411,6 +411,60 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.d
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings, as vLLM's `speculative_config`.
+
+    Attributes:
+        method: "ngram" (prompt lookup; the only method so far).
+        num_speculative_tokens: draft tokens proposed per step (k).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes matched, longest first; when one
+            is unset it takes the other's value, when both are unset both are 5 (vLLM's rule).
+
+    Raises:
+        ValueError: an unknown method or a bad number.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram' (mtp and draft_experts are "
+                             "not available yet)")
+        if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r} and {hi!r}")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+
+    @classmethod
+    def from_dict(cls, d: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """From vLLM's dict form, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+
+        Raises:
+            ValueError: not a dict, a missing or unknown key, or a bad value.
+        """
+        if isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {d!r}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Engine settings, named as vLLM names them.
 
@@ -456,6 +510,8 @@ class EngineConfig:
             state slots if that is smaller.
         state_checkpoint_host_bytes: hybrid models with prefix caching: bytes of host memory
             for checkpoints moved off the device (default 1 GiB; 0 = drop them instead).
+        speculative_config: speculative decoding (`SpeculativeConfig`, or vLLM's dict form);
+            None = off.
     """
 
     model: str
@@ -481,6 +537,7 @@ class EngineConfig:
     state_checkpoint_interval: int = 512
     max_state_checkpoints: int | None = None
     state_checkpoint_host_bytes: int = 1 << 30
+    speculative_config: SpeculativeConfig | dict | None = None
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -524,6 +581,8 @@ class EngineConfig:
         if not is_int(self.state_checkpoint_host_bytes) or self.state_checkpoint_host_bytes < 0:
             raise ValueError(f"state_checkpoint_host_bytes must be a non-negative integer (bytes), "
                              f"got {self.state_checkpoint_host_bytes!r}")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

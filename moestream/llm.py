@@ -51,6 +51,7 @@ class LLM:
         state_checkpoint_interval: int = 512,
         max_state_checkpoints: int | None = None,
         state_checkpoint_host_bytes: int = 1 << 30,
+        speculative_config: dict | None = None,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -77,8 +78,14 @@ class LLM:
                 state_checkpoint_interval=state_checkpoint_interval,
                 max_state_checkpoints=max_state_checkpoints,
                 state_checkpoint_host_bytes=state_checkpoint_host_bytes,
+                speculative_config=speculative_config,
             )
         )
+
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding counters: num_drafts, num_draft_tokens, num_accepted_tokens,
+        acceptance_rate, mean_acceptance_length (see LLMEngine.spec_decode_stats)."""
+        return self.llm_engine.spec_decode_stats()
 
     def expert_stats(self) -> dict:
         """Expert-cache metrics: hit_rate, hits, misses, stall_seconds, bytes_read (bytes),

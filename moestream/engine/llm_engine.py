@@ -40,6 +40,7 @@ from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import SamplingParams
+from moestream.spec_decode.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.speculative_config = config.speculative_config
+        if self.speculative_config is not None and mcfg.is_hybrid:
+            raise ValueError("speculative decoding is not available yet for hybrid (linear-attention) models: it "
+                             "needs the per-position state rollback; leave speculative_config unset")
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        if self.speculative_config is not None:
+            logger.info("speculative decoding: %s", self.speculative_config)
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         plan = self.expert_plan
         logger.info(
@@ -314,14 +322,9 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         try:
-            samplers, logits = self.runner.execute(sched, self.coordinator)
-            result = self.sampler(
-                logits,
-                [r.sampling_params for r in samplers],
-                [r.prompt_token_ids for r in samplers],
-                [r.output_token_ids for r in samplers],
-                [r.generator for r in samplers],
-            ) if samplers else None
+            samplers, logits, num_rows = self.runner.execute(sched, self.coordinator)
+            starts = list(itertools.accumulate([0] + num_rows[:-1]))
+            result = self._sample(samplers, logits[starts]) if samplers else None
         except Exception:
             if self.state_pool is not None:
                 self.coordinator.discard()
@@ -331,24 +334,85 @@ class LLMEngine:
                     self.scheduler.reset_request(req)
             raise
         # Only now, with nothing left that can fail, does the step's progress count.
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-        self.coordinator.commit(sched.scheduled)
-        if result is None:
-            return []
         now = time.monotonic()
+        finished = self._update(samplers, logits, starts, result, now) if samplers else {}
+        sampled = {id(r) for r in samplers}
+        for req, n in sched.scheduled:
+            # A request that sampled has computed all its tokens but the last one sampled (and
+            # the KV of rejected draft positions is left to be overwritten).
+            req.num_computed_tokens = req.num_tokens - 1 if id(req) in sampled else req.num_computed_tokens + n
+            req.spec_token_ids = []
+        self.coordinator.commit(sched.scheduled)
         outputs = []
-        for req, token, lps, err in zip(samplers, result.token_ids, result.logprobs, result.errors):
-            if err is not None:
-                logger.error("request %s aborted: its logits processor raised %r", req.request_id, err)
-                self.requests.pop(req.request_id, None)
-                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        for i, req in enumerate(samplers):
+            status = finished.get(i)
+            if status is not None:
+                self.scheduler.finish_request(req, status)
                 req.finished_time = now
-            else:
-                status = self.output_processor.append_token(req, token, lps, now)
-                if status is not None:
-                    self.scheduler.finish_request(req, status)
-                    req.finished_time = now
-                    self.requests.pop(req.request_id, None)
+                self.requests.pop(req.request_id, None)
+            elif self.speculative_config is not None:
+                req.spec_token_ids = self._propose(req)
             outputs.append(self.output_processor.make_output(req))
         return outputs
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor):
+        """Sample one token for each of `reqs` from its row of `logits` [len(reqs), V]."""
+        return self.sampler(logits, [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
+                            [r.output_token_ids for r in reqs], [r.generator for r in reqs])
+
+    def _update(self, samplers: list[Request], logits: torch.Tensor, starts: list[int], first,
+                now: float) -> dict[int, RequestStatus]:
+        """The update phase: append each request's sampled token (`first`: the samples of
+        each request's first row). A request with draft tokens goes on to its next row while
+        the token it sampled equals its draft there, so each output token is still the
+        target model's own sample, drawn one position at a time from the request's generator
+        as without drafts: greedy output is exact, and so is the sampled distribution. This
+        is speculative decoding's verification (Leviathan et al. 2023) for a draft that is one
+        fixed token per position. Returns {index in samplers: the status it finished with}.
+        """
+        finished: dict[int, RequestStatus] = {}
+        active, result, j = list(range(len(samplers))), first, 0
+        while active:
+            if j > 0:
+                result = self._sample([samplers[i] for i in active], logits[[starts[i] + j for i in active]])
+            verify = []
+            for i, token, lps, err in zip(active, result.token_ids, result.logprobs, result.errors):
+                req = samplers[i]
+                if err is not None:
+                    logger.error("request %s aborted: its logits processor raised %r", req.request_id, err)
+                    finished[i] = RequestStatus.FINISHED_ABORTED
+                    continue
+                draft = req.spec_token_ids
+                if j == 0 and draft:
+                    self.spec_stats["num_drafts"] += 1
+                    self.spec_stats["num_draft_tokens"] += len(draft)
+                accepted = j < len(draft) and token == draft[j]
+                self.spec_stats["num_accepted_tokens"] += accepted
+                status = self.output_processor.append_token(req, token, lps, now)
+                if status is not None:
+                    finished[i] = status
+                elif accepted:
+                    verify.append(i)
+            active, j = verify, j + 1
+        return finished
+
+    def _propose(self, req: Request) -> list[int]:
+        """Draft tokens for `req`'s next step (n-gram prompt lookup), at most what its
+        max_tokens and max_model_len leave room for after the token the step samples."""
+        sc = self.speculative_config
+        room = min(sc.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
+        if req.sampling_params.max_tokens is not None:
+            room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        if room < 1:
+            return []
+        return propose_ngram(req.token_ids, room, sc.prompt_lookup_min, sc.prompt_lookup_max)
+
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding counters (vLLM's names): num_drafts (steps with drafts, per
+        request), num_draft_tokens, num_accepted_tokens, acceptance_rate (accepted / draft
+        tokens) and mean_acceptance_length (tokens per drafted step: 1 + accepted / drafts)."""
+        st = dict(self.spec_stats)
+        st["acceptance_rate"] = st["num_accepted_tokens"] / st["num_draft_tokens"] if st["num_draft_tokens"] else 0.0
+        st["mean_acceptance_length"] = 1 + st["num_accepted_tokens"] / st["num_drafts"] if st["num_drafts"] else 0.0
+        st["enabled"] = self.speculative_config is not None
+        return st

@@ -59,9 +59,11 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, coordinator: KVCacheCoordinator) -> tuple[list[Request], torch.Tensor]:
-        """Run one step in one forward. Returns (requests that sample now, their logits [N, V]
-        float32).
+    def execute(self, sched: SchedulerOutput, coordinator: KVCacheCoordinator
+                ) -> tuple[list[Request], torch.Tensor, list[int]]:
+        """Run one step in one forward. Returns (requests that sample now, their logits [R, V]
+        float32, rows per request): a request with k draft tokens (`spec_token_ids`, inputs
+        after its last token) has 1 + k rows, one per position to verify; others have 1.
 
         Raises:
             ValueError: a hybrid model's step without a state plan.
@@ -77,9 +79,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
+        num_rows: list[int] = []
         for req, n in scheduled:
             start = req.num_computed_tokens
-            input_ids.extend(req.token_ids[start : start + n])
+            draft = req.spec_token_ids
+            input_ids.extend((req.token_ids + draft if draft else req.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
             table = coordinator.block_table(req.request_id)
             bs = self.block_size
@@ -87,8 +91,9 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(table)
-            if start + n == req.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
+            if start + n == req.num_tokens + len(draft):  # its last token and any drafts: sample each
+                sample_rows.extend(range(qsl[-1] - 1 - len(draft), qsl[-1]))
+                num_rows.append(1 + len(draft))
                 samplers.append(req)
         width = max(len(t) for t in tables)
         dev = self.device
@@ -113,6 +118,6 @@ class ModelRunner:
             self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta)  # [T, H]
         if not samplers:
-            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return samplers, self.model.compute_logits(hidden[rows])  # [N, V]
+        return samplers, self.model.compute_logits(hidden[rows]), num_rows  # [sum(num_rows), V]

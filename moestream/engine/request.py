@@ -38,6 +38,8 @@ class Request:
         token_ids: prompt ids followed by output ids.
         num_computed_tokens: tokens whose KV is in the cache.
         generator: the request's own sampler generator when it has a seed, else None.
+        spec_token_ids: speculative decoding: draft tokens proposed after its last token,
+            verified in its next decode step (not part of `token_ids`).
         Times are `time.monotonic()` seconds.
     """
 
@@ -57,6 +59,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine

@@ -74,7 +74,10 @@ class Scheduler:
             if budget <= 0 or len(out.scheduled) >= cap:
                 break
             if req.status is RequestStatus.RUNNING:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if req.spec_token_ids and req.num_computed_tokens != req.num_tokens - 1:
+                    req.spec_token_ids = []  # drafts only ride on a decode
+                n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+                del req.spec_token_ids[max(n - 1, 0):]  # drafts count against the token budget
                 while not self.coordinator.allocate_slots(req, req.num_computed_tokens + n):
                     victim = next(r for r in reversed(self.running) if r.request_id not in chosen)
                     self.running.remove(victim)
@@ -111,6 +114,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.coordinator.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

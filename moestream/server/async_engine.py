@@ -65,6 +65,7 @@ class EngineSnapshot:
             on the device / in host memory.
         num_state_swap_ins: states swapped back in from host so far.
         prefix_cache_stats: `LLMEngine.prefix_cache_stats()` (queries, hits, cached blocks).
+        spec_decode_stats: `LLMEngine.spec_decode_stats()` (drafts, draft and accepted tokens).
     """
 
     num_running: int = 0
@@ -77,6 +78,7 @@ class EngineSnapshot:
     num_swapped_states: int = 0
     num_state_swap_ins: int = 0
     prefix_cache_stats: dict = field(default_factory=dict)
+    spec_decode_stats: dict = field(default_factory=dict)
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -93,6 +95,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_swapped_states=pool.num_swapped() if pool is not None else 0,
         num_state_swap_ins=pool.num_swap_ins if pool is not None else 0,
         prefix_cache_stats=engine.prefix_cache_stats(),
+        spec_decode_stats=engine.spec_decode_stats(),
     )
 
 

@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache (and, on hybrid models, linear-attention state checkpoints) of a "
                         "prompt prefix seen before instead of recomputing it (default: on)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4}\' (ngram only so far; not yet for hybrid models) (default: off)')
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs a request may ask for per token (default: 20)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -126,6 +129,20 @@ def resolve_threads(value: int | str, device: str) -> int | None:
         raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
 
 
+def _json_object(text: str) -> dict:
+    """argparse type: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"method\": \"ngram\", "
+                                         f"\"num_speculative_tokens\": 3}}', got {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from the engine flags.
 
@@ -145,7 +162,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enable_prefix_caching=args.enable_prefix_caching,
                 state_checkpoint_interval=args.state_checkpoint_interval,
                 max_state_checkpoints=args.max_state_checkpoints,
-                state_checkpoint_host_bytes=args.state_checkpoint_host_bytes)
+                state_checkpoint_host_bytes=args.state_checkpoint_host_bytes,
+                speculative_config=args.speculative_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,6 +83,14 @@ class _EngineCollector(Collector):
                                           "Prompt tokens whose KV blocks were cached but were computed again from "
                                           "the last state checkpoint (hybrid models).",
                                           float(pc.get("recomputed_tokens", 0)))
+        sd = s.spec_decode_stats
+        if sd.get("enabled"):  # vLLM's names
+            yield CounterMetricFamily("moestream:spec_decode_num_drafts", "Decode steps of a request that verified drafts.",
+                                      float(sd["num_drafts"]))
+            yield CounterMetricFamily("moestream:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                      float(sd["num_draft_tokens"]))
+            yield CounterMetricFamily("moestream:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                      float(sd["num_accepted_tokens"]))
         if s.num_state_slots:
             yield GaugeMetricFamily("moestream:state_slots_total",
                                     "Device slots for linear-attention states (hybrid models).", s.num_state_slots)

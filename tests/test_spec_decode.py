@@ -1,0 +1,226 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts on attention models (Qwen3-MoE,
+Mixtral): greedy output is token-exact with speculation off and with HF float32 for
+k in {1, 3, 5}; seeded sampling draws the same tokens; max_tokens and stop strings inside
+accepted drafts stop exactly there; prefix hits, expert paging and preemption keep it exact;
+the n-gram proposer's matches; configuration errors; the server."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import HFReference, parity_prompts
+from parity import LogitsRecorder, check_all, greedy_params
+
+from moestream import LLM, SamplingParams
+from moestream.config import SpeculativeConfig
+from moestream.spec_decode.ngram import propose_ngram
+
+NEW = 32
+
+
+def _prompts() -> list[list[int]]:
+    """The 8 parity prompts, plus 4 repetitive ones whose continuations n-gram drafts catch."""
+    rng = random.Random(5)
+    loops = []
+    for period in (3, 5, 8, 13):
+        unit = [rng.randrange(3, 30000) for _ in range(period)]
+        loops.append((unit * (60 // period + 1))[:60])
+    return parity_prompts() + loops
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW):
+    recs = [LogitsRecorder() for _ in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [greedy_params(r, max_tokens) for r in recs])
+    return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
+
+
+# ---- the proposer ----------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_first_match() -> None:
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert propose_ngram(seq, 2, 1, 3) == [9, 1]  # [1, 2, 3] first occurs at 0..2, then 9, 1
+    assert propose_ngram(seq, 5, 3, 3) == [9, 1, 2, 3, 7]
+    assert propose_ngram([7, 1, 2, 8, 1, 2], 3, 2, 2) == [8, 1, 2]
+    assert propose_ngram([4, 5, 6], 3, 1, 2) == []  # no earlier occurrence
+    assert propose_ngram([5, 5], 3, 1, 1) == [5]  # the suffix itself is never its own match
+    assert propose_ngram([1, 2, 9, 2], 2, 1, 3) == [9, 2]  # longest n fails, n = 1 matches
+    with pytest.raises(ValueError, match="1 <= min_n <= max_n"):
+        propose_ngram([1], 1, 3, 2)
+
+
+def test_speculative_config_follows_vllm() -> None:
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "unknown speculative method 'eagle'"),
+                     ({"method": "ngram"}, "speculative_config needs 'num_speculative_tokens'"),
+                     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown speculative_config keys \['k'\]"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+                      "need 1 <= prompt_lookup_min <= prompt_lookup_max")]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.from_dict(bad)
+
+
+# ---- the engine ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_off_and_hf(model_dir: str, hf_reference: HFReference, k: int) -> None:
+    prompts = _prompts()
+    llm = LLM(model_dir, dtype="float32", max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    spec = _generate(llm, prompts)
+    off = _generate(LLM(model_dir, dtype="float32", max_model_len=256), prompts)
+    assert [t for t, _ in spec] == [t for t, _ in off]
+    check_all(prompts, spec, hf_reference, f"ngram k={k}")
+    stats = llm.spec_decode_stats()
+    assert stats["num_drafts"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert stats["mean_acceptance_length"] == 1 + stats["num_accepted_tokens"] / stats["num_drafts"]
+    kv = llm.llm_engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_fewer_steps_on_repetitive_text(qwen3_moe_dir: str) -> None:
+    """A prompt that repeats a unit: every draft is accepted once the output repeats it too,
+    so 32 tokens take far fewer than 32 decode steps."""
+    prompt = _prompts()[-4]  # period 3
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    engine = llm.llm_engine
+    engine.add_request({"prompt_token_ids": prompt}, params)
+    steps, out = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        steps += 1
+    plain = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256).generate([{"prompt_token_ids": prompt}], params)
+    assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids
+    stats = llm.spec_decode_stats()
+    print(f"{NEW} tokens in {steps} steps; {stats}")
+    # Step 1 prefills and samples 1; each later step yields 1 token plus its accepted drafts.
+    assert steps == 1 + (NEW - 1 - stats["num_accepted_tokens"])
+    assert stats["num_accepted_tokens"] >= NEW // 2 and steps <= NEW // 2
+
+
+def test_seeded_sampling_draws_the_same_tokens(qwen3_moe_dir: str) -> None:
+    prompts = _prompts()
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=100 + i, max_tokens=24) for i in range(len(prompts))]
+    spec = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    off = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256)
+    a = [o.outputs[0].token_ids for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    b = [o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert a == b
+
+
+def test_stops_inside_accepted_drafts(qwen3_moe_dir: str) -> None:
+    """max_tokens, a stop token and a stop string that fall inside a run of accepted drafts
+    end the output exactly where speculation off ends it."""
+    prompt = _prompts()[-4]
+    off_llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256)
+    spec = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    full = off_llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=20,
+                                                                          ignore_eos=True))[0].outputs[0]
+    cases = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 2, 7, 13)]
+    cases.append(SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[full.token_ids[9]]))
+    cases.append(SamplingParams(temperature=0, max_tokens=20, stop=[full.text[len(full.text) // 2:][:3]], ignore_eos=True))
+    for params in cases:
+        want = off_llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        got = spec.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason), params
+
+
+def test_exact_with_prefix_hits_expert_paging_and_preemption(qwen3_moe_dir: str) -> None:
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    off = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128)
+    want = [o.outputs[0].token_ids for o in off.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    # 14 blocks of 16 tokens for 12 requests of up to 92 tokens: preemptions; a 25% expert budget.
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, expert_budget=0.25,
+              kv_cache_memory_bytes=14 * off.llm_engine.kv_cache_block_bytes,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.prefix_cache_stats()["hits"] > 0
+    assert llm.spec_decode_stats()["num_accepted_tokens"] > 0 and llm.expert_stats()["misses"] > 0
+    kv = llm.llm_engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and not llm.llm_engine.requests
+
+
+def test_not_yet_for_hybrid_models(qwen3_next_dir: str) -> None:
+    with pytest.raises(ValueError, match="speculative decoding is not available yet for hybrid"):
+        LLM(qwen3_next_dir, dtype="float32", max_model_len=64,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_cli_flag() -> None:
+    from moestream.server.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "[1, 2]"])
+
+
+def test_server_streams_the_same_greedy_text(qwen3_moe_dir: str) -> None:
+    import asyncio
+
+    from live_server import LiveServer
+    from openai import AsyncOpenAI
+
+    from moestream import EngineConfig
+    from moestream.server.serving import ServerConfig
+
+    prompts = ["ab ab ab ab ab ab ab", "def f(x): return x\ndef g(x): return x\ndef h(x):", "hello"]
+    off = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16))
+    server = LiveServer(EngineConfig(model=qwen3_moe_dir, dtype="float32", max_model_len=128,
+                                     speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_min": 1}),
+                        ServerConfig(served_model_names=("tiny",)))
+    try:
+        async def one(client: AsyncOpenAI, prompt: str) -> str:
+            stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                     stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        async def run_all() -> list[str]:
+            async with AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none") as client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+
+        assert asyncio.run(run_all()) == [o.outputs[0].text for o in off]
+        server.wait_idle()
+        stats = server.engine.spec_decode_stats()
+        assert stats["num_drafts"] > 0
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(server.base_url + "/metrics").text
+        samples = {x.name: x.value for fam in text_string_to_metric_families(text) for x in fam.samples}
+        assert samples["moestream:spec_decode_num_drafts_total"] == stats["num_drafts"]
+        assert samples["moestream:spec_decode_num_accepted_tokens_total"] == stats["num_accepted_tokens"]
+    finally:
+        server.stop()
+
+
+def test_no_drafts_past_max_model_len(qwen3_moe_dir: str) -> None:
+    """A request close to max_model_len drafts only what fits: no KV write past the end."""
+    prompt = _prompts()[-4][:56]
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3})
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=None,
+                                                                      ignore_eos=True))[0].outputs[0]
+    off = LLM(qwen3_moe_dir, dtype="float32", max_model_len=64).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == off.token_ids and len(out.token_ids) == 64 - 56 and out.finish_reason == "length"
+    assert torch.is_tensor(llm.llm_engine.runner.kv_caches[0][0])
