@@ -52,7 +52,7 @@ def workloads(tokenizer) -> dict[str, list[list[int]]]:
     import textwrap as m8
 
     modules = [m1, m2, m3, m4, m5, m6, m7, m8]
-    funcs = [m3.reduce, m8.dedent, m7.capwords, m6.Random.shuffle, m5.makedirs, m4.dumps, m2.namedtuple,
+    funcs = [m3.total_ordering, m8.dedent, m7.capwords, m6.Random.shuffle, m8.indent, m4.dumps, m2.namedtuple,
              m1.ArgumentParser.add_argument]
     edit = []
     for f in funcs:
@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if ckpt in PRESETS:
             ckpt = ensure_checkpoint(ckpt, os.path.join("/tmp/moestream-bench", ckpt))
+    deadline = time.monotonic() + 180
+    while os.getloadavg()[0] > 0.5 and time.monotonic() < deadline:  # let an earlier job's load fade
+        time.sleep(5)
     load = os.getloadavg()[0]
     results = {}
     for method, sc in METHODS.items():
