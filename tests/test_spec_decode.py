@@ -224,3 +224,38 @@ def test_no_drafts_past_max_model_len(qwen3_moe_dir: str) -> None:
         [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == off.token_ids and len(out.token_ids) == 64 - 56 and out.finish_reason == "length"
     assert torch.is_tensor(llm.llm_engine.runner.kv_caches[0][0])
+
+
+@pytest.mark.parametrize("right", [0, 1, 2, 3])
+def test_forced_rejections_stay_exact(qwen3_moe_dir: str, right: int) -> None:
+    """A test drafter proposes the reference's next `right` tokens, then wrong ones. The output
+    is still the reference, and each drafted step accepts exactly min(right, its drafts)."""
+    k, max_tokens = 3, 20
+    prompt = _prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
+        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    engine = llm.llm_engine
+    vocab = engine.model_config.vocab_size
+
+    def drafter(req) -> list[int]:
+        n = req.num_output_tokens
+        room = min(k, max_tokens - n - 1)
+        wrong = [(t + 1) % vocab for t in ref[n + right:n + k]] + [0] * k
+        return (ref[n:n + right] + wrong)[:max(room, 0)]
+
+    engine._propose = drafter  # this engine's drafts come from the test
+    out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert out.token_ids == ref
+    drafts = accepted = 0
+    n = 1  # the prefill step samples the first token
+    while n < max_tokens:
+        room = min(k, max_tokens - n - 1)
+        if room >= 1:
+            drafts += 1
+            accepted += min(right, room)
+        n += 1 + (min(right, room) if room >= 1 else 0)
+    stats = llm.spec_decode_stats()
+    assert (stats["num_drafts"], stats["num_accepted_tokens"]) == (drafts, accepted)
