@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # bench/ siblings, also when imported
 
-from report import pyplot, write_markdown  # noqa: E402
+from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
 NEW_TOKENS = 16
 
 
@@ -163,15 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
-    from make_checkpoint import PRESETS, ensure_checkpoint
-
-    ckpt = args.checkpoint
-    if ckpt in PRESETS:
-        ckpt = ensure_checkpoint(ckpt, os.path.join("/tmp/moestream-bench", ckpt))
-    deadline = time.monotonic() + 180
-    while os.getloadavg()[0] > 0.5 and time.monotonic() < deadline:  # let an earlier job's load fade
-        time.sleep(5)
-    load = os.getloadavg()[0]
+    ckpt = resolve_checkpoint(args.checkpoint)
+    load = wait_for_idle()
     results = {}
     if args.vllm_only:
         with open(args.out + ".json") as f:

@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from report import pyplot, write_markdown  # noqa: E402
+from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
 
 NEW_TOKENS = 64
 METHODS = {"off": None, **{f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
@@ -126,14 +126,8 @@ def main(argv: list[str] | None = None) -> int:
 
         ckpt = demo_model_path()
     else:
-        from make_checkpoint import PRESETS, ensure_checkpoint
-
-        if ckpt in PRESETS:
-            ckpt = ensure_checkpoint(ckpt, os.path.join("/tmp/moestream-bench", ckpt))
-    deadline = time.monotonic() + 180
-    while os.getloadavg()[0] > 0.5 and time.monotonic() < deadline:  # let an earlier job's load fade
-        time.sleep(5)
-    load = os.getloadavg()[0]
+        ckpt = resolve_checkpoint(ckpt)
+    load = wait_for_idle()
     results = {}
     for method, sc in METHODS.items():
         spec = {"checkpoint": ckpt, "threads": args.threads, "speculative": sc}
