@@ -81,8 +81,8 @@ def test_kv_cache_only_for_full_attention_layers(qwen3_next_dir: str) -> None:
     assert num_blocks == (1 << 20) // one_layer  # the budget buys blocks of one layer, not four
     assert runner.kv_cache_bytes == num_blocks * one_layer  # 0 bytes for the 3 linear layers
     pool = llm.llm_engine.state_pool
-    # conv [2*2*16 + 4*16 = 128, 3] float32 + recurrent [4, 16, 16] float32, 3 layers, 2 copies
-    assert pool.bytes_per_request == 2 * 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    # conv [2*2*16 + 4*16 = 128, 3] float32 + recurrent [4, 16, 16] float32, 3 layers, one copy
+    assert pool.bytes_per_request == 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
 
 
 def test_paged_experts_bit_exact(qwen3_5_moe_dir: str) -> None:

@@ -121,7 +121,7 @@ def test_length_is_checked_before_tokenizing(offline_llm: LLM) -> None:
     longest = max(len(t) for t in tok.get_vocab())
     assert proc.max_token_chars == longest
     huge = "x" * (128 * longest)  # at least 128 tokens whatever the text is
-    with pytest.raises(ValueError, match=rf"at least 128 tokens .*max_model_len is 128"):
+    with pytest.raises(ValueError, match=r"at least 128 tokens .*max_model_len is 128"):
         proc.process(huge)
     assert calls == []  # refused without tokenizing
     # Just under the bound it is tokenized (and then judged by its real length).

@@ -1,5 +1,5 @@
 """StatePool: device slots with LRU swap to host, bit-exact round trips, reset on reuse,
-committed snapshots, no leaks."""
+speculative rows and acceptance, no leaks."""
 
 from __future__ import annotations
 
@@ -55,17 +55,27 @@ def test_reset_overwrites_a_reused_or_stale_state() -> None:
     assert all(t.abs().sum() == 0 for t in _read(pool, s3))
 
 
-def test_commit_and_rollback() -> None:
-    pool = _pool()
+def test_speculative_rows_and_accept() -> None:
+    pool = StatePool(2, (6, 3), (2, 4, 5), torch.float32, torch.float32, 2, torch.device("cpu"), num_checkpoint_rows=1,
+                     num_spec_rows=3)
+    assert pool.conv[0].shape[0] == 2 + 2 * 3 + 1 and pool.checkpoint_row(0) == 8
+    assert [pool.spec_row(1, j) for j in range(3)] == [5, 6, 7]
+    with pytest.raises(IndexError, match="no speculative row 3 of slot 0"):
+        pool.spec_row(0, 3)
+    pool.prepare(["x"], [True])
     (s,) = pool.prepare(["a"], [True])
-    committed = _fill(pool, s, 5)
-    pool.commit("a")
-    _fill(pool, s, 6)
-    assert not all(torch.equal(x, y) for x, y in zip(_read(pool, s), committed))
-    pool.prepare(["b", "c"], [True, True])  # a's current and committed copies go to host
-    (s,) = pool.prepare(["a"], [False])
-    pool.rollback("a")
-    assert all(torch.equal(x, y) for x, y in zip(_read(pool, s), committed))
+    rows = [_fill(pool, pool.spec_row(s, j), 10 + j) for j in range(3)]  # after positions 1, 2, 3
+    last = _fill(pool, s, 20)  # after position 4
+    pool.accept("a", 4, 4)  # all accepted: the slot keeps its state
+    assert all(torch.equal(x, y) for x, y in zip(_read(pool, s), last))
+    pool.accept("a", 2, 4)  # positions 1-2 accepted: the state after position 2
+    assert all(torch.equal(x, y) for x, y in zip(_read(pool, s), rows[1]))
+    with pytest.raises(ValueError, match="outside"):
+        pool.accept("a", 0, 4)
+    # The speculative rows are scratch: a swap moves the slot's state only, bit for bit.
+    pool.prepare(["b", "c"], [True, True])
+    (s2,) = pool.prepare(["a"], [False])
+    assert all(torch.equal(x, y) for x, y in zip(_read(pool, s2), rows[1]))
 
 
 def test_bad_calls_are_refused_without_side_effects() -> None:
@@ -81,7 +91,9 @@ def test_bad_calls_are_refused_without_side_effects() -> None:
 
 def test_sizes() -> None:
     pool = StatePool(3, (6, 3), (2, 4, 5), torch.bfloat16, torch.float32, 4, torch.device("cpu"))
-    per = 2 * 3 * (6 * 3 * 2 + 2 * 4 * 5 * 4)
-    assert pool.bytes_per_request == per and pool.device_bytes == 4 * per
+    per = 3 * (6 * 3 * 2 + 2 * 4 * 5 * 4)
+    assert pool.bytes_per_state == per and pool.bytes_per_request == per and pool.device_bytes == 4 * per
     assert pool.ssm[0].dtype == torch.float32 and pool.conv[0].dtype == torch.bfloat16
-    assert pool.ssm[0].shape == (8, 2, 4, 5)
+    assert pool.ssm[0].shape == (4, 2, 4, 5)
+    spec = StatePool(3, (6, 3), (2, 4, 5), torch.bfloat16, torch.float32, 4, torch.device("cpu"), num_spec_rows=2)
+    assert spec.bytes_per_request == 3 * per and spec.ssm[0].shape == (12, 2, 4, 5)

@@ -240,6 +240,23 @@ class KVCacheManager:
         self._hashes.pop(request_id, None)
         self._num_cached.pop(request_id, None)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back `request_id`'s blocks past the first `num_tokens` tokens (speculative
+        decoding: blocks taken for draft positions that were rejected). They hold no computed
+        token, so they go to the head of the free queue. Returns the blocks given back."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        extra = table[keep:]
+        del table[keep:]
+        for block in extra:
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        return len(extra)
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

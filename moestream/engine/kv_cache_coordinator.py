@@ -107,6 +107,7 @@ class KVCacheCoordinator:
         self._branch: dict[str, int] = {}  # request id -> branch point to capture
         self._output_ckpt: dict[str, bytes] = {}  # request id -> its latest decode checkpoint
         self._pending: list[tuple[Request, bytes, int, int, bool]] = []  # (request, key, tokens, row, decode)
+        self._verify: dict[str, tuple[int, int]] = {}  # request id -> (computed tokens, positions) of its verify
 
     @property
     def block_size(self) -> int:
@@ -181,6 +182,7 @@ class KVCacheCoordinator:
         Raises:
             ValueError: more requests than state slots.
         """
+        self._verify = {r.request_id: (r.num_computed_tokens, n) for r, n in scheduled if r.spec_token_ids}
         if self.state_pool is None:
             return None
         ids = [r.request_id for r, _ in scheduled]
@@ -190,10 +192,16 @@ class KVCacheCoordinator:
             key = self._restore.pop(rid, None)
             if key is not None:
                 self.checkpoints.restore(key, rid)
-        captures = [self._plan_captures(r, n) for r, n in scheduled]
+        captures = [self._plan_captures(r, n, n - len(r.spec_token_ids)) for r, n in scheduled]
+        for (req, n), slot, caps in zip(scheduled, slots, captures):
+            if req.spec_token_ids:  # the state after each position but the last: its rollback points
+                caps += [(j + 1, self.state_pool.spec_row(slot, j)) for j in range(len(req.spec_token_ids))]
         return StatePlan(slots, captures)
 
-    def _plan_captures(self, req: Request, n: int) -> list[tuple[int, int | None]]:
+    def _plan_captures(self, req: Request, n: int, num_verified: int) -> list[tuple[int, int | None]]:
+        """Captures for `req`'s `n` new tokens, the first `num_verified` of them verified (the
+        rest drafts). A capture at a draft position gets a row, but its block hash is only
+        known, and it only enters the cache, once the draft is accepted (`commit`)."""
         if self.checkpoints is None or self.checkpoints.num_rows == 0:
             return []
         bs, start, end = self.block_size, req.num_computed_tokens, req.num_computed_tokens + n
@@ -209,8 +217,14 @@ class KVCacheCoordinator:
         for p in sorted(wanted):
             if p == 0:
                 continue
-            key = self.kv.block_hashes(req.request_id, req.token_ids, p // bs)[-1]
             row = None
+            if p > start + num_verified:  # after a draft token: keyed at commit, if accepted
+                row = self.checkpoints.take_row()
+                if row is not None:
+                    self._pending.append((req, None, p, row, decode and p == decode_at))
+                out.append((p - start, row))
+                continue
+            key = self.kv.block_hashes(req.request_id, req.token_ids, p // bs)[-1]
             if key not in self.checkpoints and all(k != key for _, k, _, _, _ in self._pending):
                 if decode and p == decode_at:  # the request's previous decode checkpoint gives way
                     old = self._output_ckpt.pop(req.request_id, None)
@@ -223,14 +237,33 @@ class KVCacheCoordinator:
         return out
 
     def commit(self, scheduled: list[tuple[Request, int]]) -> None:
-        """After a successful step (`num_computed_tokens` advanced): register the computed
-        full blocks in the prefix cache and the captured checkpoints under their block hashes."""
+        """After a successful step (`num_computed_tokens` advanced past the accepted tokens):
+        give each verified request's slot the state after its last accepted position,
+        return blocks taken for rejected drafts, and register the computed full blocks in the
+        prefix cache and the captured checkpoints under their block hashes. Only verified
+        tokens' blocks and states are ever cached (drafts never: vLLM #43559)."""
         for req, _ in scheduled:
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            self._branch.pop(req.request_id, None)
+            rid = req.request_id
+            verify = self._verify.pop(rid, None)
+            if verify is not None:
+                if self.state_pool is not None and req.num_computed_tokens > verify[0]:
+                    # The slot takes the state after the last accepted position.
+                    self.state_pool.accept(rid, req.num_computed_tokens - verify[0], verify[1])
+                self.kv.trim(rid, req.num_computed_tokens + 1)  # blocks taken for rejected drafts go back
+            self.kv.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+            self._branch.pop(rid, None)
         bs = self.block_size
         for req, key, num_tokens, row, decode in self._pending:
             rid = req.request_id
+            if num_tokens > req.num_computed_tokens:  # after a rejected draft: never cached
+                self.checkpoints.release_row(row)
+                continue
+            if key is None:  # after accepted drafts: their tokens are the request's now
+                key = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs)[-1]
+                old = self._output_ckpt.get(rid) if decode else None
+                if old is not None and old != key:
+                    del self._output_ckpt[rid]
+                    self.checkpoints.drop(old)
             chain = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs - 1)
             parent = next((h for h in reversed(chain) if h in self.checkpoints), None)
             if self.checkpoints.register(key, num_tokens, row, parent) and decode:
@@ -242,6 +275,7 @@ class KVCacheCoordinator:
         for _, _, _, row, _ in self._pending:
             self.checkpoints.release_row(row)
         self._pending.clear()
+        self._verify.clear()
 
     # ---- reading --------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import SamplingParams
-from moestream.spec_decode.ngram import propose_ngram
+from moestream.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +116,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.speculative_config = config.speculative_config
-        if self.speculative_config is not None and mcfg.is_hybrid:
-            raise ValueError("speculative decoding is not available yet for hybrid (linear-attention) models: it "
-                             "needs the per-position state rollback; leave speculative_config unset")
+        self.proposer = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         if self.speculative_config is not None:
             logger.info("speculative decoding: %s", self.speculative_config)
@@ -138,11 +136,11 @@ class LLMEngine:
             pool = self.state_pool
             logger.info(
                 "hybrid model: KV cache for %d of %d layers (full attention); linear-attention state %.2f MiB per "
-                "request (%d layers, conv %s %s + recurrent %s %s, current + committed copy); %d device slots "
+                "request (%d layers, conv %s %s + recurrent %s %s, with %d speculative rows); %d device slots "
                 "(%.1f MiB), the rest swapped to host",
                 len(mcfg.attention_layers), mcfg.num_layers, pool.bytes_per_request / 2**20, len(mcfg.linear_layers),
                 list(pool.conv_shape), str(pool.conv_dtype).removeprefix("torch."), list(pool.ssm_shape),
-                str(pool.ssm_dtype).removeprefix("torch."), pool.max_resident, pool.device_bytes / 2**20,
+                str(pool.ssm_dtype).removeprefix("torch."), pool.num_spec_rows, pool.max_resident, pool.device_bytes / 2**20,
             )
             if checkpoints is not None:
                 logger.info(
@@ -169,6 +167,7 @@ class LLMEngine:
             num_checkpoint_rows=0 if not cfg.enable_prefix_caching else (
                 cfg.max_state_checkpoints if cfg.max_state_checkpoints is not None
                 else min(_DEFAULT_DEVICE_CHECKPOINTS, cfg.max_resident_states or cfg.max_num_seqs)),
+            num_spec_rows=cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 0,
         )
 
     def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:
@@ -405,7 +404,7 @@ class LLMEngine:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
         if room < 1:
             return []
-        return propose_ngram(req.token_ids, room, sc.prompt_lookup_min, sc.prompt_lookup_max)
+        return self.proposer.propose(req.token_ids, room)
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding counters (vLLM's names): num_drafts (steps with drafts, per

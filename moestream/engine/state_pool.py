@@ -7,11 +7,13 @@ keep their slot on the device; the others wait in host memory (pinned on CUDA) a
 swapped back in, least-recently-used out first, before their next forward. A swapped state
 comes back bit for bit.
 
-Slot s has a second, "committed" copy at index max_resident + s (current vs last
-committed state), so that speculative decoding can roll a request back later. Rows from
-2 * max_resident on are the device tier of the prefix cache's state checkpoints
-(`StateCheckpointPool`); the model writes a checkpoint straight into such a row while it
-computes a prefill (`StateMetadata.captures`).
+With speculative decoding of k tokens, slot s also has k speculative rows (`spec_row`):
+a verify forward over a request's 1 + k positions writes its state after each of the first
+k positions there, and once the engine knows how many drafts were accepted the slot takes
+the row of the last accepted position (`accept`): an exact rollback, with no recompute.
+They hold nothing between steps, so they are never swapped. The rows after those are the
+device tier of the prefix cache's state checkpoints (`StateCheckpointPool`); the model writes
+a checkpoint straight into such a row while it computes a prefill (`StateMetadata.captures`).
 
 vLLM keeps these in its Mamba cache (one slot per running request, no host tier); the
 host swap here lets more requests run than device slots hold.
@@ -30,11 +32,13 @@ logger = logging.getLogger(__name__)
 class StatePool:
     """Device state slots for `max_resident` requests, plus a host tier for the rest.
 
-    Tensors: per linear layer, conv [2R + D, C, K-1] and ssm [2R + D, Hv, Dk, Dv]; rows
-    0..R-1 are the current states, rows R..2R-1 the committed snapshots, rows 2R..2R+D-1
-    the `num_checkpoint_rows` device rows of the state checkpoints.
+    Tensors: per linear layer, conv [R + R*k + D, C, K-1] and ssm [R + R*k + D, Hv, Dk, Dv];
+    rows 0..R-1 are the current states, rows R..R+R*k-1 the `num_spec_rows` = k speculative
+    rows of each slot, the last D rows the `num_checkpoint_rows` device rows of the state
+    checkpoints.
 
-    Raises (constructor): ValueError if max_resident < 1 or num_checkpoint_rows < 0.
+    Raises (constructor): ValueError if max_resident < 1, num_checkpoint_rows < 0 or
+    num_spec_rows < 0.
     """
 
     def __init__(
@@ -47,22 +51,26 @@ class StatePool:
         max_resident: int,
         device: torch.device,
         num_checkpoint_rows: int = 0,
+        num_spec_rows: int = 0,
     ) -> None:
         if max_resident < 1:
             raise ValueError(f"max_resident_states must be at least 1, got {max_resident}")
         if num_checkpoint_rows < 0:
             raise ValueError(f"num_checkpoint_rows must be at least 0, got {num_checkpoint_rows}")
+        if num_spec_rows < 0:
+            raise ValueError(f"num_spec_rows must be at least 0, got {num_spec_rows}")
         self.max_resident = max_resident
+        self.num_spec_rows = num_spec_rows
         self.num_checkpoint_rows = num_checkpoint_rows
         self.device = device
         self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
-        rows = 2 * max_resident + num_checkpoint_rows
+        rows = max_resident * (1 + num_spec_rows) + num_checkpoint_rows
         self.conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
         self.ssm = [torch.zeros(rows, *ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
         self._free: deque[int] = deque(range(max_resident))
         self._resident: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recent first
-        self._host: dict[str, list[torch.Tensor]] = {}  # request id -> [conv, ssm, conv snap, ssm snap] per layer
+        self._host: dict[str, list[torch.Tensor]] = {}  # request id -> [conv, ssm] per layer
         self._pin = device.type == "cuda"
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -78,8 +86,8 @@ class StatePool:
 
     @property
     def bytes_per_request(self) -> int:
-        """Bytes of one request's state (current + snapshot) over all linear layers."""
-        return 2 * self.bytes_per_state
+        """Device bytes per state slot: its state plus its speculative rows."""
+        return (1 + self.num_spec_rows) * self.bytes_per_state
 
     @property
     def device_bytes(self) -> int:
@@ -149,19 +157,32 @@ class StatePool:
             self._free.append(slot)
         self._host.pop(request_id, None)
 
-    def commit(self, request_id: str) -> None:
-        """Copy the request's current state into its committed snapshot."""
-        s = self._resident[request_id]
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[self.max_resident + s].copy_(conv[s])
-            ssm[self.max_resident + s].copy_(ssm[s])
+    def spec_row(self, slot: int, j: int) -> int:
+        """Tensor row of slot `slot`'s speculative row j (0 <= j < num_spec_rows): the
+        state after position j + 1 of a verify forward.
 
-    def rollback(self, request_id: str) -> None:
-        """Restore the request's current state from its committed snapshot."""
-        s = self._resident[request_id]
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[s].copy_(conv[self.max_resident + s])
-            ssm[s].copy_(ssm[self.max_resident + s])
+        Raises:
+            IndexError: j or slot out of range.
+        """
+        if not (0 <= j < self.num_spec_rows and 0 <= slot < self.max_resident):
+            raise IndexError(f"no speculative row {j} of slot {slot} ({self.num_spec_rows} rows x "
+                             f"{self.max_resident} slots)")
+        return self.max_resident + slot * self.num_spec_rows + j
+
+    def accept(self, request_id: str, num_positions: int, num_verified: int) -> None:
+        """After a verify forward over `num_verified` positions whose first `num_positions`
+        were accepted (1 <= num_positions <= num_verified): give the request's slot the state
+        after position `num_positions` (its speculative row num_positions - 1). With every
+        position accepted the slot holds it already.
+
+        Raises:
+            ValueError: num_positions outside [1, num_verified].
+        """
+        if not 1 <= num_positions <= num_verified:
+            raise ValueError(f"accepted positions {num_positions} outside [1, {num_verified}]")
+        if num_positions < num_verified:
+            s = self._resident[request_id]
+            self.copy_row(self.spec_row(s, num_positions - 1), s)
 
     def slot_of(self, request_id: str) -> int:
         """The device slot of a resident request. Raises KeyError if it is not resident."""
@@ -171,7 +192,7 @@ class StatePool:
 
     def checkpoint_row(self, i: int) -> int:
         """Tensor row of device checkpoint row i (0 <= i < num_checkpoint_rows)."""
-        return 2 * self.max_resident + i
+        return self.max_resident * (1 + self.num_spec_rows) + i
 
     def copy_row(self, src: int, dst: int) -> None:
         """Copy tensor row `src` to row `dst` in every linear layer (conv and ssm)."""
@@ -193,7 +214,7 @@ class StatePool:
             ssm[row].copy_(host[2 * i + 1], non_blocking=self._pin)
 
     def restore(self, request_id: str, row: int | None = None, host: list[torch.Tensor] | None = None) -> None:
-        """Set a resident request's current and committed state to a checkpoint: device
+        """Set a resident request's state to a checkpoint: device
         tensor row `row`, or host copies `host` (from `read_row`). The checkpoint is read,
         never changed."""
         s = self._resident[request_id]
@@ -203,7 +224,6 @@ class StatePool:
             self.write_row(s, host)
         else:
             raise ValueError("restore needs a device row or host copies")
-        self.copy_row(s, self.max_resident + s)
 
     # ---- internals ------------------------------------------------------------------
 
@@ -222,26 +242,13 @@ class StatePool:
 
     def _swap_out(self, slot: int) -> list[torch.Tensor]:
         self.num_swap_outs += 1
-        snap = self.max_resident + slot
-        out = []
-        for conv, ssm in zip(self.conv, self.ssm):
-            out += [self._host_copy(conv[slot]), self._host_copy(ssm[slot]),
-                    self._host_copy(conv[snap]), self._host_copy(ssm[snap])]
-        return out
+        return self.read_row(slot)
 
     def _swap_in(self, slot: int, host: list[torch.Tensor]) -> None:
         self.num_swap_ins += 1
-        snap = self.max_resident + slot
-        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
-            conv[slot].copy_(host[4 * i], non_blocking=self._pin)
-            ssm[slot].copy_(host[4 * i + 1], non_blocking=self._pin)
-            conv[snap].copy_(host[4 * i + 2], non_blocking=self._pin)
-            ssm[snap].copy_(host[4 * i + 3], non_blocking=self._pin)
+        self.write_row(slot, host)
 
     def _zero(self, slot: int) -> None:
-        snap = self.max_resident + slot
         for conv, ssm in zip(self.conv, self.ssm):
             conv[slot].zero_()
             ssm[slot].zero_()
-            conv[snap].zero_()
-            ssm[snap].zero_()

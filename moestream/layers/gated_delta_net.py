@@ -43,7 +43,9 @@ class StateMetadata:
             count), the state is also written to tensor row `row`. A prefill is computed
             in pieces that end at these offsets (also where `row` is None: a position
             checkpointed already), so a hit that restores a checkpoint and computes from
-            there runs the same pieces as the miss did.
+            there runs the same pieces as the miss did. A speculative verify captures at
+            every offset but the last (pieces of one token run the recurrent step decode
+            runs).
     """
 
     query_start_loc_cpu: list[int]
@@ -161,9 +163,10 @@ class GatedDeltaNet(nn.Module):
             lo = 0
             for hi, row in sorted(captures[i], key=lambda c: c[0]) + [(end - start, None)]:
                 if hi > lo:  # tokens [lo, hi) of the segment, from the state after token lo
-                    o, new_state = chunk_gated_delta_rule(q[lo:hi], k[lo:hi], v[lo:hi], g[start + lo : start + hi],
-                                                          beta[start + lo : start + hi], state.float())
-                    state = new_state.to(ssm_state.dtype)
+                    rule = recurrent_gated_delta_rule if hi - lo == 1 else chunk_gated_delta_rule
+                    o, new_state = rule(q[lo:hi], k[lo:hi], v[lo:hi], g[start + lo : start + hi],
+                                        beta[start + lo : start + hi], state.float()[None] if hi - lo == 1 else state.float())
+                    state = (new_state[0] if hi - lo == 1 else new_state).to(ssm_state.dtype)
                     core[start + lo : start + hi] = o
                     lo = hi
                 if row is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from moestream.config import SpeculativeConfig
+
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to `k` draft tokens for `token_ids` (prompt + output so far), or [] when no suffix
@@ -32,3 +34,15 @@ def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> l
             if tokens[i:i + n] == suffix:
                 return tokens[i + n:i + n + k]
     return []
+
+
+class NgramProposer:
+    """The `"ngram"` method: `propose(token_ids, k)` drafts with `propose_ngram` under the
+    config's prompt_lookup_min / prompt_lookup_max."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """Up to `k` draft tokens following `token_ids` (prompt + output); [] for none."""
+        return propose_ngram(token_ids, k, self.min_n, self.max_n)
