@@ -419,6 +419,10 @@ class SpeculativeConfig:
         num_speculative_tokens: draft tokens proposed per step (k).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes matched, longest first; when one
             is unset it takes the other's value, when both are unset both are 5 (vLLM's rule).
+        adaptive: lower each request's draft length, down to 0, where its measured
+            acceptance makes drafting slower than plain decode (`spec_decode.adaptive`), and
+            raise it again when drafts start to match. False drafts
+            `num_speculative_tokens` whenever the method has them, as vLLM.
 
     Raises:
         ValueError: an unknown method or a bad number.
@@ -428,8 +432,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if self.method != "ngram":
             raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram' (mtp and draft_experts are "
                              "not available yet)")

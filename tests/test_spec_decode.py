@@ -204,6 +204,9 @@ def test_server_streams_the_same_greedy_text(qwen3_moe_dir: str) -> None:
         samples = {x.name: x.value for fam in text_string_to_metric_families(text) for x in fam.samples}
         assert samples["moestream:spec_decode_num_drafts_total"] == stats["num_drafts"]
         assert samples["moestream:spec_decode_num_accepted_tokens_total"] == stats["num_accepted_tokens"]
+        per_pos = {x.labels["position"]: x.value for fam in text_string_to_metric_families(text) for x in fam.samples
+                   if x.name == "moestream:spec_decode_num_accepted_tokens_per_pos_total"}
+        assert per_pos == {str(j): float(n) for j, n in enumerate(stats["num_accepted_tokens_per_pos"])}
     finally:
         server.stop()
 
@@ -231,7 +234,7 @@ def test_forced_rejections_stay_exact(qwen3_moe_dir: str, right: int) -> None:
     ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
         [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
-              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False})
     engine = llm.llm_engine
     drafter = ScriptedProposer([(prompt, ref)], lambda i, n: right, engine.model_config.vocab_size)
     engine.proposer = drafter  # this engine's drafts come from the test
@@ -239,3 +242,83 @@ def test_forced_rejections_stay_exact(qwen3_moe_dir: str, right: int) -> None:
     assert out.token_ids == ref
     stats = llm.spec_decode_stats()
     assert (stats["num_drafts"], stats["num_accepted_tokens"]) == drafter.expected(0, max_tokens, k)
+
+
+# ---- adaptive k ------------------------------------------------------------------------
+
+
+def test_step_cost_fit_and_draft_length_rule() -> None:
+    from moestream.spec_decode.adaptive import AdaptiveK, StepCostModel
+
+    cost = StepCostModel()
+    for i in range(15):
+        cost.record(1 + i % 4, 0.010 + 0.002 * (1 + i % 4))
+    assert cost.fit() is None and cost.cost_ratio(1) == 0.2  # 15 steps: the prior
+    cost.record(2, 0.014)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
+    assert cost.cost_ratio(1) == pytest.approx(0.002 / 0.012) and cost.cost_ratio(4) == pytest.approx(0.008 / 0.018)
+    flat = StepCostModel()
+    for _ in range(20):
+        flat.record(3, 0.01)
+    assert flat.fit() is None  # one token count: no slope to fit
+    ak = AdaptiveK(3)
+    st = ak.new_state()
+    assert (st.acceptance, st.k) == (0.7, 3)
+    # Prior ratio 0.2: k = #{j <= 3 : alpha**j > 0.2}.
+    for alpha, k in [(0.7, 3), (0.5, 2), (0.44, 1), (0.2, 0), (0.95, 3)]:
+        st.acceptance = alpha
+        assert ak.choose(st, 1) == k == st.k, alpha
+    st.acceptance = 0.5
+    ak.observe(st, 3, 1)  # accepted, then rejected; the third position never judged
+    assert st.acceptance == pytest.approx((0.5 + 0.15 * 0.5) * 0.85)
+    ak.observe(st, 2, 2)
+    assert st.acceptance == pytest.approx(1 - (1 - (0.5 + 0.15 * 0.5) * 0.85) * 0.85 ** 2)
+
+
+def test_adaptive_k_stops_drafting_what_is_never_accepted(qwen3_moe_dir: str, caplog) -> None:
+    """Drafts that are always wrong: acceptance falls from 0.7 by a factor 0.85 per rejected
+    verify, and the draft length follows #{j <= 3 : alpha**j > 0.2} (the prior cost ratio,
+    since fewer than 16 decode steps are timed by then): 3, 3, 2, 1, 1, 1, 1, 1, then 0 after
+    the 8th drafted step. Shadow drafts keep failing, so it stays 0; the output is exact."""
+    import logging
+
+    prompt = _prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
+        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, n: 0, engine.model_config.vocab_size)
+    with caplog.at_level(logging.INFO, logger="moestream.engine.llm_engine"):
+        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    assert out.token_ids == ref
+    stats = llm.spec_decode_stats()
+    assert (stats["num_drafts"], stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (8, 3 + 3 + 2 + 5, 0)
+    assert "k 1 -> 0" in caplog.text
+
+
+def test_adaptive_k_drafts_again_once_drafts_match(qwen3_moe_dir: str) -> None:
+    """Wrong drafts for the first 12 tokens, right ones after: the shadow drafts measure the
+    change and drafting resumes, with every later draft accepted."""
+    prompt = _prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
+        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, n: 0 if n < 12 else 3, engine.model_config.vocab_size)
+    rid = engine.add_request({"prompt_token_ids": prompt}, params)
+    ks = []
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+        if not out.finished:
+            ks.append(engine.requests[rid].draft_state.k)
+    assert out.outputs[0].token_ids == ref
+    assert 0 in ks and ks[-1] > 0 and ks.index(0) < len(ks) - 1 - ks[::-1].index(0)
+    stats = llm.spec_decode_stats()
+    assert stats["num_accepted_tokens"] > 0
+    per_pos = stats["num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3 and sum(per_pos) == stats["num_accepted_tokens"] and per_pos[0] >= per_pos[1] >= per_pos[2]

@@ -42,7 +42,7 @@ def test_scripted_drafts_exact_under_swaps_budget_and_prefix_hits(hybrid_dir: st
     prompts = _prompts()
     off = _generate(LLM(hybrid_dir, dtype="float32", max_model_len=256), prompts)
     llm = LLM(hybrid_dir, dtype="float32", max_model_len=256, max_resident_states=2, expert_budget=0.25,
-              speculative_config=_spec(k))
+              speculative_config=_spec(k, adaptive=False))
     engine = llm.llm_engine
     drafter = ScriptedProposer([(p, t) for p, (t, _) in zip(prompts, off)], lambda i, n: (i + n) % (k + 1),
                                engine.model_config.vocab_size)
@@ -84,7 +84,7 @@ def test_state_after_each_step_equals_a_run_that_never_drafted(hybrid_dir: str, 
         ref = out.outputs[0].token_ids
         if not out.finished:
             want[plain.llm_engine.requests[rid].num_computed_tokens] = _states(plain.llm_engine, rid)
-    llm = LLM(hybrid_dir, dtype="float32", max_model_len=128, speculative_config=_spec(k))
+    llm = LLM(hybrid_dir, dtype="float32", max_model_len=128, speculative_config=_spec(k, adaptive=False))
     engine = llm.llm_engine
     engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, n: right, engine.model_config.vocab_size)
     rid = engine.add_request({"prompt_token_ids": prompt}, params)

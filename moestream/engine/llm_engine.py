@@ -40,6 +40,7 @@ from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import SamplingParams
+from moestream.spec_decode.adaptive import AdaptiveK
 from moestream.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ __all__ = ["LLMEngine", "PromptType"]
 # A state checkpoint is a whole request state (about 74 MiB on Qwen3-Next-80B): few on the
 # device by default, the rest in host memory (state_checkpoint_host_bytes).
 _DEFAULT_DEVICE_CHECKPOINTS = 8
+# Seconds between the speculative decoding acceptance log lines (vLLM logs every 10 s).
+_SPEC_LOG_INTERVAL = 10.0
 
 
 def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:
@@ -116,8 +119,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.speculative_config = config.speculative_config
-        self.proposer = NgramProposer(self.speculative_config) if self.speculative_config is not None else None
-        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        sc = self.speculative_config
+        self.proposer = NgramProposer(sc) if sc is not None else None
+        self.adaptive = AdaptiveK(sc.num_speculative_tokens) if sc is not None and sc.adaptive else None
+        self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                           "num_accepted_tokens_per_pos": [0] * (sc.num_speculative_tokens if sc else 0)}
+        self._spec_log_time = time.monotonic()
+        self._spec_log_drafts = 0
         if self.speculative_config is not None:
             logger.info("speculative decoding: %s", self.speculative_config)
         dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -320,8 +328,13 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        decode_only = all(n == 1 + len(r.spec_token_ids) and r.num_computed_tokens == r.num_tokens - 1
+                          for r, n in sched.scheduled)
         try:
+            t0 = time.perf_counter()
             samplers, logits, num_rows = self.runner.execute(sched, self.coordinator)
+            if self.adaptive is not None and decode_only:
+                self.adaptive.cost.record(sched.num_tokens, time.perf_counter() - t0)
             starts = list(itertools.accumulate([0] + num_rows[:-1]))
             result = self._sample(samplers, logits[starts]) if samplers else None
         except Exception:
@@ -352,6 +365,8 @@ class LLMEngine:
             elif self.speculative_config is not None:
                 req.spec_token_ids = self._propose(req)
             outputs.append(self.output_processor.make_output(req))
+        if self.speculative_config is not None and now - self._spec_log_time >= _SPEC_LOG_INTERVAL:
+            self._log_spec_decode(now)
         return outputs
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor):
@@ -386,7 +401,16 @@ class LLMEngine:
                     self.spec_stats["num_drafts"] += 1
                     self.spec_stats["num_draft_tokens"] += len(draft)
                 accepted = j < len(draft) and token == draft[j]
-                self.spec_stats["num_accepted_tokens"] += accepted
+                if accepted:
+                    self.spec_stats["num_accepted_tokens"] += 1
+                    self.spec_stats["num_accepted_tokens_per_pos"][j] += 1
+                state = req.draft_state
+                if state is not None and self.adaptive is not None:
+                    if j < len(draft) and (not accepted or j + 1 == len(draft)):  # this verify is judged
+                        self.adaptive.observe(state, len(draft), j + accepted)
+                    elif not draft and state.shadow:  # would the shadow draft have been accepted?
+                        self.adaptive.observe(state, 1, int(token == state.shadow[0]))
+                    state.shadow = []
                 status = self.output_processor.append_token(req, token, lps, now)
                 if status is not None:
                     finished[i] = status
@@ -397,20 +421,58 @@ class LLMEngine:
 
     def _propose(self, req: Request) -> list[int]:
         """Draft tokens for `req`'s next step (n-gram prompt lookup), at most what its
-        max_tokens and max_model_len leave room for after the token the step samples."""
+        max_tokens and max_model_len leave room for after the token the step samples, and
+        with adaptive k at most the request's current draft length (`AdaptiveK`); at
+        length 0 a one-token shadow draft keeps its acceptance measured."""
         sc = self.speculative_config
         room = min(sc.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
         if req.sampling_params.max_tokens is not None:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
         if room < 1:
             return []
+        if self.adaptive is not None:
+            state = req.draft_state
+            if state is None:
+                state = req.draft_state = self.adaptive.new_state()
+            before = state.k
+            k = self.adaptive.choose(state, len(self.scheduler.running))
+            if k == 0:
+                if before > 0:
+                    logger.info("request %s: measured acceptance %.2f per drafted position makes drafting slower "
+                                "than plain decode (a draft token costs %.2f of a decode token's time): k %d -> 0, "
+                                "drafts resume when they start to match", req.request_id, state.acceptance,
+                                self.adaptive.cost.cost_ratio(len(self.scheduler.running)), before)
+                state.shadow = self.proposer.propose(req.token_ids, 1)
+                return []
+            if before == 0:
+                logger.info("request %s: measured acceptance %.2f: drafting again, k 0 -> %d", req.request_id,
+                            state.acceptance, k)
+            room = min(room, k)
         return self.proposer.propose(req.token_ids, room)
+
+    def _log_spec_decode(self, now: float) -> None:
+        """Log speculative decoding's acceptance since the last log (vLLM's SpecDecoding
+        metrics line), at most every `_SPEC_LOG_INTERVAL` seconds and only after drafts."""
+        st = self.spec_decode_stats()
+        if st["num_drafts"] == self._spec_log_drafts:
+            return
+        per_pos = [a / st["num_drafts"] for a in st["num_accepted_tokens_per_pos"]]
+        logger.info("speculative decoding: mean acceptance length %.2f, acceptance rate %.1f%%, per-position "
+                    "acceptance %s, %d drafts (totals)", st["mean_acceptance_length"], 100 * st["acceptance_rate"],
+                    "[" + ", ".join(f"{x:.2f}" for x in per_pos) + "]", st["num_drafts"])
+        self._spec_log_time, self._spec_log_drafts = now, st["num_drafts"]
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding counters (vLLM's names): num_drafts (steps with drafts, per
-        request), num_draft_tokens, num_accepted_tokens, acceptance_rate (accepted / draft
-        tokens) and mean_acceptance_length (tokens per drafted step: 1 + accepted / drafts)."""
+        request), num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos (list of
+        num_speculative_tokens: drafts accepted at position j), acceptance_rate (accepted /
+        draft tokens), mean_acceptance_length (tokens per drafted step: 1 + accepted / drafts),
+        and with adaptive k the fitted step cost (`step_cost_ratio`: the time one more
+        verified token adds over a decode token's time)."""
         st = dict(self.spec_stats)
+        st["num_accepted_tokens_per_pos"] = list(st["num_accepted_tokens_per_pos"])
+        if self.adaptive is not None:
+            st["step_cost_ratio"] = self.adaptive.cost.cost_ratio(1)
         st["acceptance_rate"] = st["num_accepted_tokens"] / st["num_draft_tokens"] if st["num_draft_tokens"] else 0.0
         st["mean_acceptance_length"] = 1 + st["num_accepted_tokens"] / st["num_drafts"] if st["num_drafts"] else 0.0
         st["enabled"] = self.speculative_config is not None

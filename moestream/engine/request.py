@@ -40,6 +40,8 @@ class Request:
         generator: the request's own sampler generator when it has a seed, else None.
         spec_token_ids: speculative decoding: draft tokens proposed after its last token,
             verified in its next decode step (not part of `token_ids`).
+        draft_state: speculative decoding with adaptive k: its `DraftState` (acceptance
+            estimate, draft length, shadow draft).
         Times are `time.monotonic()` seconds.
     """
 
@@ -60,6 +62,7 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
+    draft_state: Any = None  # spec_decode.adaptive.DraftState, set by the engine
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine

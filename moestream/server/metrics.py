@@ -91,6 +91,12 @@ class _EngineCollector(Collector):
                                       float(sd["num_draft_tokens"]))
             yield CounterMetricFamily("moestream:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                       float(sd["num_accepted_tokens"]))
+            per_pos = CounterMetricFamily("moestream:spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted at each draft position (0-based).",
+                                          labels=["position"])
+            for j, n in enumerate(sd["num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([str(j)], float(n))
+            yield per_pos
         if s.num_state_slots:
             yield GaugeMetricFamily("moestream:state_slots_total",
                                     "Device slots for linear-attention states (hybrid models).", s.num_state_slots)
