@@ -79,30 +79,50 @@ def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep exactly the k largest logits per row, setting the rest to -inf.
 
     logits: [B, V] float32; k: [B] long, k <= 0 or k >= V disables the row. Ties at the
-    boundary are broken by a stable sort: among equal logits the lower token ids are kept,
-    so exactly k ids survive. Returns a new tensor.
+    boundary are broken as a stable sort would: among equal logits the lower token ids are
+    kept, so exactly k ids survive. O(V) per row (`torch.topk` for the k-th value, no full
+    sort). Returns a new tensor.
     """
     V = logits.shape[-1]
     k = k.to(logits.device, torch.long)
     k = torch.where((k <= 0) | (k > V), V, k)  # [B]
-    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # [B, V]
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(V, device=logits.device).expand_as(order))  # [B, V] 0-based rank
-    return logits.masked_fill(rank >= k[:, None], float("-inf"))
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [B, 1] the k-th largest value
+    above = logits > kth  # [B, V]
+    tied = logits == kth  # [B, V]
+    room = k[:, None] - above.sum(-1, keepdim=True)  # [B, 1] ties to keep, lowest ids first
+    keep = above | (tied & (tied.cumsum(-1) <= room))
+    return logits.masked_fill(~keep, float("-inf"))
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _top_p_keep_sorted(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """probs [B, N] sorted descending, p [B, 1] -> keep mask [B, N]: the mass strictly above
+    each token is below p (the top-1 always kept); p >= 1 keeps all."""
+    before = probs.cumsum(dim=-1) - probs  # [B, N] probability mass ranked above each token
+    return (before < p) | (p >= 1.0)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor, top_k: torch.Tensor | None = None) -> torch.Tensor:
     """Keep the smallest set of most-probable tokens whose total probability reaches p.
 
     logits: [B, V] float32; p: [B] float32 in (0, 1], p >= 1 disables the row. A token is kept
     when the probability of all strictly higher-ranked tokens is below p, so the top-1 is always
-    kept. Ties are ranked by a stable sort (lower token id first). Returns a new tensor.
+    kept. Ties are ranked as by a stable sort (lower token id first). `top_k` [B] long: when
+    every row has at most top_k finite logits (top-k applied first, 0 < top_k < V), only those
+    candidates are sorted instead of the whole vocabulary. Returns a new tensor.
     """
+    B, V = logits.shape
     p = p.to(logits.device, torch.float32)[:, None]  # [B, 1]
-    probs, order = torch.sort(logits.softmax(dim=-1), dim=-1, descending=True, stable=True)  # [B, V]
-    before = probs.cumsum(dim=-1) - probs  # [B, V] probability mass ranked above each token
-    keep_sorted = (before < p) | (p >= 1.0)  # [B, V]
-    keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [B, V] back in vocab order
+    probs = logits.softmax(dim=-1)  # [B, V]
+    if top_k is not None and bool(((top_k > 0) & (top_k < V)).all()):
+        cand = logits.topk(int(top_k.max()), dim=-1).indices.sort(dim=-1).values  # [B, K] ids ascending
+        cand_probs = probs.gather(-1, cand)  # [B, K]
+        cp, pos = torch.sort(cand_probs, dim=-1, descending=True, stable=True)  # ties: lower id first
+        finite = torch.isfinite(logits.gather(-1, cand)).gather(-1, pos)  # [B, K] candidates top-k left
+        keep_sorted = _top_p_keep_sorted(cp, p) & finite  # [B, K]
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, cand.gather(-1, pos), keep_sorted)
+        return logits.masked_fill(~keep & (p < 1.0), float("-inf"))
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [B, V]
+    keep = torch.empty_like(order, dtype=torch.bool).scatter_(-1, order, _top_p_keep_sorted(sorted_probs, p))
     return logits.masked_fill(~keep, float("-inf"))
 
 
@@ -162,10 +182,12 @@ class Sampler:
             scaled = logits / temps[:, None]  # [B, V]
             if any(sp.min_p > 0.0 for sp in params):
                 scaled = apply_min_p(scaled, col([sp.min_p for sp in params]))
+            top_k = None
             if any(sp.top_k > 0 for sp in params):
-                scaled = apply_top_k(scaled, col([max(sp.top_k, 0) for sp in params], torch.long))
+                top_k = col([max(sp.top_k, 0) for sp in params], torch.long)
+                scaled = apply_top_k(scaled, top_k)
             if any(sp.top_p < 1.0 for sp in params):
-                scaled = apply_top_p(scaled, col([sp.top_p for sp in params]))
+                scaled = apply_top_p(scaled, col([sp.top_p for sp in params]), top_k)
             probs = scaled.softmax(dim=-1)  # [B, V]
             for i in range(B):
                 if params[i].greedy:

@@ -1,6 +1,8 @@
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moestream.sampler import (
     Sampler,
@@ -49,6 +51,30 @@ def test_top_p_keeps_smallest_set_reaching_p() -> None:
     assert kept(out[3]) == {0, 1, 2, 3}  # 1.0 = disabled
     assert kept(out[4]) == {1, 2}  # 0.5 < 0.55
     assert torch.equal(out[0, [1, 2]], logits[0, [1, 2]])
+
+
+def _top_k_by_sort(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The definition: rank by a stable descending sort, keep ranks below k."""
+    V = logits.shape[-1]
+    k = torch.where((k <= 0) | (k > V), V, k)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(V).expand_as(order))
+    return logits.masked_fill(rank >= k[:, None], NEG_INF)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.integers(2, 40))
+def test_top_k_and_candidate_top_p_equal_the_full_sort(seed: int, rows: int, vocab: int) -> None:
+    """apply_top_k (topk + ties by id) equals the stable-sort definition, and top-p over the
+    top-k candidates equals top-p over the whole sorted vocabulary, ties included."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=g).float() / 2  # many ties
+    k = torch.randint(1, vocab + 1, (rows,), generator=g)
+    p = torch.rand(rows, generator=g).clamp_min(0.01)
+    p[0] = 1.0 if rows > 1 else p[0]
+    topk = apply_top_k(logits, k)
+    assert torch.equal(topk, _top_k_by_sort(logits, k))
+    assert torch.equal(apply_top_p(topk, p, k), apply_top_p(topk, p))
 
 
 def test_top_p_always_keeps_top1() -> None:

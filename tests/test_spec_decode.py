@@ -322,3 +322,48 @@ def test_adaptive_k_drafts_again_once_drafts_match(qwen3_moe_dir: str) -> None:
     assert stats["num_accepted_tokens"] > 0
     per_pos = stats["num_accepted_tokens_per_pos"]
     assert len(per_pos) == 3 and sum(per_pos) == stats["num_accepted_tokens"] and per_pos[0] >= per_pos[1] >= per_pos[2]
+
+
+# ---- sampling --------------------------------------------------------------------------
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1% point of the chi-squared distribution (Wilson-Hilferty approximation)."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * c**0.5) ** 3
+
+
+def test_sampled_distribution_equals_the_targets(tmp_path) -> None:
+    """Temperature 1 with top-k 3 and top-p 0.6 on a 256-token vocabulary: the joint
+    distribution of the first four output tokens with drafts (the greedy continuation, 2 per
+    step, so some are accepted and some not) equals the one without speculation, by a
+    two-sample chi-squared test at the 0.1% level over 2000 independent seeded samples each."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(str(tmp_path / "v256"), "qwen3_moe", seed=7, vocab_size=256, eos_token_id=1,
+                                 bos_token_id=1)
+    n, prompt = 2000, [5, 17, 99, 3, 250, 41, 8]
+    ref = LLM(model, dtype="float32", max_model_len=64).generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids
+
+    def sample(llm: LLM, seed0: int) -> dict[tuple[int, ...], int]:
+        params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.6, seed=seed0 + i, max_tokens=4, ignore_eos=True)
+                  for i in range(n)]
+        counts: dict[tuple[int, ...], int] = {}
+        for o in llm.generate([{"prompt_token_ids": prompt}] * n, params):
+            key = tuple(o.outputs[0].token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    off = sample(LLM(model, dtype="float32", max_model_len=64, max_num_seqs=512), 0)
+    llm = LLM(model, dtype="float32", max_model_len=64, max_num_seqs=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
+    engine = llm.llm_engine
+    engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, j: 2, engine.model_config.vocab_size)
+    spec = sample(llm, n)  # other seeds: independent samples
+    stats = llm.spec_decode_stats()
+    assert 0 < stats["num_accepted_tokens_per_pos"][1] and stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    cells = sorted(set(off) | set(spec))
+    stat = sum((off.get(c, 0) - spec.get(c, 0)) ** 2 / (off.get(c, 0) + spec.get(c, 0)) for c in cells)
+    print(f"{len(cells)} cells, chi2 {stat:.1f}, critical {_chi2_critical(len(cells) - 1):.1f}, {stats}")
+    assert len(cells) > 8 and stat < _chi2_critical(len(cells) - 1)
