@@ -253,11 +253,17 @@ def test_step_cost_fit_and_draft_length_rule() -> None:
     cost = StepCostModel()
     for i in range(15):
         cost.record(1 + i % 4, 0.010 + 0.002 * (1 + i % 4))
-    assert cost.fit() is None and cost.cost_ratio(1) == 0.2  # 15 steps: the prior
+    assert cost.fit() is None and cost.seconds_per_token(1) is None  # 15 steps: not yet
     cost.record(2, 0.014)
     a, b = cost.fit()
     assert a == pytest.approx(0.010) and b == pytest.approx(0.002)
-    assert cost.cost_ratio(1) == pytest.approx(0.002 / 0.012) and cost.cost_ratio(4) == pytest.approx(0.008 / 0.018)
+    assert cost.seconds_per_token(1) == pytest.approx(0.012) and cost.seconds_per_token(4) == pytest.approx(0.018 / 4)
+    ak = AdaptiveK(3)
+    assert ak.cost_ratio(1) == 0.2  # the prior
+    ak.cost = cost
+    assert ak.cost_ratio(4) == pytest.approx(0.002 / (0.018 / 4))
+    ak.record_draft(4, 0.004)  # draft_experts: 1 ms a drafted token
+    assert ak.cost_ratio(4) == pytest.approx(0.003 / (0.018 / 4))
     flat = StepCostModel()
     for _ in range(20):
         flat.record(3, 0.01)

@@ -120,7 +120,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.speculative_config = config.speculative_config
         sc = self.speculative_config
-        self.proposer = NgramProposer(sc) if sc is not None else None
+        self.proposer = NgramProposer(sc) if sc is not None and sc.method == "ngram" else None
         self.adaptive = AdaptiveK(sc.num_speculative_tokens) if sc is not None and sc.adaptive else None
         self.spec_stats = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                            "num_accepted_tokens_per_pos": [0] * (sc.num_speculative_tokens if sc else 0)}
@@ -355,16 +355,18 @@ class LLMEngine:
             req.num_computed_tokens = req.num_tokens - 1 if id(req) in sampled else req.num_computed_tokens + n
             req.spec_token_ids = []
         self.coordinator.commit(sched.scheduled)
-        outputs = []
+        outputs, continuing = [], []
         for i, req in enumerate(samplers):
             status = finished.get(i)
             if status is not None:
                 self.scheduler.finish_request(req, status)
                 req.finished_time = now
                 self.requests.pop(req.request_id, None)
-            elif self.speculative_config is not None:
-                req.spec_token_ids = self._propose(req)
+            else:
+                continuing.append(req)
             outputs.append(self.output_processor.make_output(req))
+        if self.speculative_config is not None and continuing:
+            self._propose(continuing)
         if self.speculative_config is not None and now - self._spec_log_time >= _SPEC_LOG_INTERVAL:
             self._log_spec_decode(now)
         return outputs
@@ -419,36 +421,64 @@ class LLMEngine:
             active, j = verify, j + 1
         return finished
 
-    def _propose(self, req: Request) -> list[int]:
-        """Draft tokens for `req`'s next step (n-gram prompt lookup), at most what its
-        max_tokens and max_model_len leave room for after the token the step samples, and
-        with adaptive k at most the request's current draft length (`AdaptiveK`); at
-        length 0 a one-token shadow draft keeps its acceptance measured."""
+    def _draft_length(self, req: Request) -> int:
+        """How many tokens `req` drafts next: at most num_speculative_tokens and what its
+        max_tokens and max_model_len leave room for after the token the step samples; with
+        adaptive k at most its current draft length (`AdaptiveK`), where length 0 sets a
+        one-token shadow draft (n-gram, which costs nothing) to keep its acceptance measured."""
         sc = self.speculative_config
         room = min(sc.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
         if req.sampling_params.max_tokens is not None:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)
-        if room < 1:
-            return []
-        if self.adaptive is not None:
-            state = req.draft_state
-            if state is None:
-                state = req.draft_state = self.adaptive.new_state()
-            before = state.k
-            k = self.adaptive.choose(state, len(self.scheduler.running))
-            if k == 0:
-                if before > 0:
-                    logger.info("request %s: measured acceptance %.2f per drafted position makes drafting slower "
-                                "than plain decode (a draft token costs %.2f of a decode token's time): k %d -> 0, "
-                                "drafts resume when they start to match", req.request_id, state.acceptance,
-                                self.adaptive.cost.cost_ratio(len(self.scheduler.running)), before)
+        if room < 1 or self.adaptive is None:
+            return max(room, 0)
+        state = req.draft_state
+        if state is None:
+            state = req.draft_state = self.adaptive.new_state()
+        before = state.k
+        k = self.adaptive.choose(state, len(self.scheduler.running))
+        if k == 0:
+            if before > 0:
+                logger.info("request %s: measured acceptance %.2f per drafted position makes drafting slower than "
+                            "plain decode (a draft token costs %.2f of a decode token's time): k %d -> 0, drafts "
+                            "resume when they start to match", req.request_id, state.acceptance,
+                            self.adaptive.cost_ratio(len(self.scheduler.running)), before)
+            if sc.method == "ngram":
                 state.shadow = self.proposer.propose(req.token_ids, 1)
-                return []
-            if before == 0:
-                logger.info("request %s: measured acceptance %.2f: drafting again, k 0 -> %d", req.request_id,
-                            state.acceptance, k)
-            room = min(room, k)
-        return self.proposer.propose(req.token_ids, room)
+            elif state.probe():  # a draft costs a forward: measure with one token now and then
+                return 1
+            return 0
+        if before == 0:
+            logger.info("request %s: measured acceptance %.2f: drafting again, k 0 -> %d", req.request_id,
+                        state.acceptance, k)
+        return min(room, k)
+
+    def _propose(self, reqs: list[Request]) -> None:
+        """Set the draft tokens of the requests that go on (`spec_token_ids`), for their next
+        step: n-gram lookups, or one batched greedy draft pass over resident experts
+        (`draft_experts`). A draft that fails is dropped with an error log: drafts are an
+        optimisation, never a reason to fail requests."""
+        lengths = [self._draft_length(r) for r in reqs]
+        if self.speculative_config.method == "ngram":
+            for req, n in zip(reqs, lengths):
+                req.spec_token_ids = self.proposer.propose(req.token_ids, n) if n else []
+            return
+        for i, req in enumerate(reqs):  # blocks for the drafted positions, or no draft
+            if lengths[i] and not self.coordinator.allocate_slots(req, req.num_tokens - 1 + lengths[i]):
+                lengths[i] = 0
+        todo = [i for i, n in enumerate(lengths) if n]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        try:
+            drafts = self.runner.draft([reqs[i] for i in todo], [lengths[i] for i in todo], self.coordinator)
+        except Exception:
+            logger.exception("draft pass failed; these requests go on without drafts")
+            return
+        if self.adaptive is not None:
+            self.adaptive.record_draft(sum(lengths[i] for i in todo), time.perf_counter() - t0)
+        for i, d in zip(todo, drafts):
+            reqs[i].spec_token_ids = d
 
     def _log_spec_decode(self, now: float) -> None:
         """Log speculative decoding's acceptance since the last log (vLLM's SpecDecoding
@@ -472,7 +502,7 @@ class LLMEngine:
         st = dict(self.spec_stats)
         st["num_accepted_tokens_per_pos"] = list(st["num_accepted_tokens_per_pos"])
         if self.adaptive is not None:
-            st["step_cost_ratio"] = self.adaptive.cost.cost_ratio(1)
+            st["step_cost_ratio"] = self.adaptive.cost_ratio(1)
         st["acceptance_rate"] = st["num_accepted_tokens"] / st["num_draft_tokens"] if st["num_draft_tokens"] else 0.0
         st["mean_acceptance_length"] = 1 + st["num_accepted_tokens"] / st["num_drafts"] if st["num_drafts"] else 0.0
         st["enabled"] = self.speculative_config is not None

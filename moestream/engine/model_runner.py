@@ -121,3 +121,59 @@ class ModelRunner:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
         return samplers, self.model.compute_logits(hidden[rows]), num_rows  # [sum(num_rows), V]
+
+    @torch.inference_mode()
+    def draft(self, requests: list[Request], lengths: list[int], coordinator: KVCacheCoordinator) -> list[list[int]]:
+        """Greedy drafts with the experts already on the device (`draft_experts`): up to
+        lengths[i] tokens after request i's last token, one token per forward for all the
+        requests still drafting. Each forward writes KV at the positions the verify step
+        computes again (it overwrites them); on a hybrid model the drafts advance a copy of
+        the request's state in its last speculative row, never the state itself. The caller
+        has allocated blocks for every drafted position and made the states resident.
+
+        Returns: the drafts, lengths[i] token ids each (greedy: one point-mass proposal per
+        position, verified by the target's own samples).
+        """
+        dev, bs = self.device, self.block_size
+        pool = self.state_pool
+        rows: list[int] = []
+        if pool is not None:
+            for req in requests:
+                slot = pool.slot_of(req.request_id)
+                rows.append(pool.spec_row(slot, pool.num_spec_rows - 1))
+                pool.copy_row(slot, rows[-1])
+        drafts: list[list[int]] = [[] for _ in requests]
+        for j in range(max(lengths, default=0)):
+            live = [i for i, n in enumerate(lengths) if n > j]
+            ids, positions, slots, tables = [], [], [], []
+            for i in live:
+                req = requests[i]
+                pos = req.num_tokens - 1 + j
+                ids.append(drafts[i][-1] if j else req.token_ids[-1])
+                positions.append(pos)
+                table = coordinator.block_table(req.request_id)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                tables.append(table)
+            qsl = list(range(len(live) + 1))
+            seq_lens = [p + 1 for p in positions]
+            width = max(len(t) for t in tables)
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                query_start_loc_cpu=qsl,
+                seq_lens_cpu=seq_lens,
+                block_size=bs,
+            )
+            state_caches, state_meta = None, None
+            if pool is not None:
+                live_rows = [rows[i] for i in live]
+                state_caches = pool.caches()
+                state_meta = StateMetadata(qsl, live_rows, torch.tensor(live_rows, dtype=torch.int64, device=dev))
+            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                                torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta,
+                                state_caches, state_meta, resident_only=True)  # [n, H]
+            for i, t in zip(live, self.model.compute_logits(hidden).argmax(-1).tolist()):
+                drafts[i].append(t)
+        return drafts

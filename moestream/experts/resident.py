@@ -34,6 +34,11 @@ class ResidentExpertStore:
         gu, dn = self._gate_up[layer], self._down[layer]
         return [ExpertWeights(gu[e], dn[e]) for e in expert_ids]
 
+    def resident_view(self, layer: int) -> dict[int, ExpertWeights]:
+        """Every expert of `layer`, by id (all are resident)."""
+        gu, dn = self._gate_up[layer], self._down[layer]
+        return {e: ExpertWeights(gu[e], dn[e]) for e in range(gu.shape[0])}
+
     def max_experts_per_call(self) -> int:
         return 1 << 30
 

@@ -164,6 +164,16 @@ class PagedExpertStore:
                 out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
         return out
 
+    def resident_view(self, layer: int) -> dict[int, ExpertWeights]:
+        """The experts of `layer` on the device now (not being loaded), by id: their slot
+        views, valid until the next `ensure` or `resident_view`. Nothing is loaded and no
+        hit, miss or access is counted (a `draft_experts` draft pass reads them)."""
+        with self._queue.lock:
+            keys = [k for k in self._slot_of if k[0] == layer and k not in self._loading]
+            self._in_use = frozenset(keys)  # the prefetch worker leaves them in place meanwhile
+            return {e: ExpertWeights(self.gate_up[self._slot_of[(layer, e)]], self.down[self._slot_of[(layer, e)]])
+                    for _, e in keys}
+
     # ---- slots -----------------------------------------------------------------------
 
     def _claim_slot(self, layer: int) -> int:

@@ -54,7 +54,11 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, resident_only: bool = False) -> torch.Tensor:
+        """x [T, H] -> [T, H]. `resident_only` (a `draft_experts` draft pass): route only to
+        experts already on the device, loading nothing (`_forward_resident`)."""
+        if resident_only:
+            return self._forward_resident(x)
         weights, ids = self.route(x)
         self.store.on_route(self.layer_idx, ids, weights)
         flat_ids = ids.flatten()  # [T*k]
@@ -78,6 +82,40 @@ class SparseMoE(nn.Module):
                 y = linear(F.silu(gate) * up, w.down)  # [n, H]
                 out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
                 start = end
+        routed = out.to(x.dtype)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _forward_resident(self, x: torch.Tensor) -> torch.Tensor:
+        """The draft pass of self-speculation with resident experts (DraftExpert, arXiv
+        2607.24434): the router's top-k is taken among the experts on the device now and
+        renormalised to the mass the unrestricted top-k had, so a draft never waits for a
+        load. The unrestricted choice is handed to the prefetcher: the verify pass will
+        need those experts. Nothing is counted as a hit or miss, and the eviction policy
+        does not see the draft."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        full_w, full_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] what the full model picks
+        view = self.store.resident_view(self.layer_idx)
+        resident = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
+        resident[list(view)] = True
+        missing = sorted(set(full_ids.flatten().tolist()) - set(view))
+        if missing:
+            self.store.prefetch(self.layer_idx, missing)
+        masked = probs.masked_fill(~resident, -1.0)  # [T, E] non-resident experts rank last
+        weights, ids = torch.topk(masked, self.top_k, dim=-1)  # [T, k]
+        weights = weights.clamp_min(0.0)  # fewer than k resident: the rest weigh 0
+        total = full_w.sum(-1, keepdim=True) if not self.norm_topk_prob else torch.ones_like(full_w[:, :1])
+        weights = weights * (total / weights.sum(-1, keepdim=True).clamp_min(1e-20))  # [T, k]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        for e in torch.unique(ids).tolist():
+            w = view.get(e)
+            if w is None:
+                continue
+            rows, which = (ids == e).nonzero(as_tuple=True)  # [n] token rows, their top-k index
+            gate, up = linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
+            y = linear(F.silu(gate) * up, w.down)  # [n, H]
+            out.index_add_(0, rows, y.float() * weights[rows, which, None])
         routed = out.to(x.dtype)
         if self.shared_expert is None:
             return routed

@@ -83,14 +83,18 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         state_meta: StateMetadata | None,
+        resident_only: bool = False,
     ) -> torch.Tensor:
-        """cache: (k, v) for attention layers, (conv_state, ssm_state) for linear ones."""
+        """cache: (k, v) for attention layers, (conv_state, ssm_state) for linear ones.
+        `resident_only`: MoE layers use only experts on the device (a draft pass)."""
         if self.is_linear:
             assert state_meta is not None, "a linear-attention layer needs state metadata"
             x = x + self.linear_attn(self.input_layernorm(x), cache, state_meta)
         else:
             x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, resident_only=True) if resident_only and isinstance(self.mlp, SparseMoE)
+                    else self.mlp(h))
 
 
 class DecoderModel(nn.Module):
@@ -113,7 +117,8 @@ class MoEForCausalLM(nn.Module):
     """The whole model. Subclasses set `expert_names` and may override `hf_name`.
 
     forward(input_ids [T] int64, positions [T] int64, kv_caches: per full-attention layer
-            (k, v), meta, state_caches: per linear-attention layer (conv, ssm), state_meta)
+            (k, v), meta, state_caches: per linear-attention layer (conv, ssm), state_meta,
+            resident_only: MoE layers route only to experts on the device, a draft pass)
         -> hidden states [T, H] (model dtype)
     compute_logits(hidden [N, H]) -> [N, V] float32
     """
@@ -148,12 +153,13 @@ class MoEForCausalLM(nn.Module):
         meta: AttentionMetadata,
         state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         state_meta: StateMetadata | None = None,
+        resident_only: bool = False,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [T, H]
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
         for layer in self.model.layers:
             cache = next(state_iter) if layer.is_linear else next(kv_iter)
-            x = layer(positions, x, cache, meta, state_meta)
+            x = layer(positions, x, cache, meta, state_meta, resident_only)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,9 @@ cost ratio measured instead of assumed:
 - each request's alpha is an exponential moving average over its verified positions. A
   request at k = 0 still gets a one-token "shadow" draft each step (for prompt lookup, free):
   the token it then samples tells whether the draft would have been accepted, so its alpha
-  keeps being measured and k comes back when drafts start to match.
+  keeps being measured and k comes back when drafts start to match. Where a draft costs a
+  forward (`draft_experts`), its measured seconds per drafted token are added to b, and a
+  request at k = 0 drafts one token every 16th step instead.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 # Before enough steps are timed: a draft token costs a fifth of a decode step's token.
 _PRIOR_COST_RATIO = 0.2
 _MIN_FIT_STEPS = 16
+_PROBE_EVERY = 16
 
 
 class StepCostModel:
@@ -62,24 +65,32 @@ class StepCostModel:
             return None
         return a, b
 
-    def cost_ratio(self, num_requests: int) -> float:
-        """b / tau: seconds one more verified token adds, over the seconds per token of a
-        plain decode step of `num_requests` requests (0.2 before a fit exists)."""
+    def seconds_per_token(self, num_requests: int) -> float | None:
+        """tau: seconds per token of a plain decode step of `num_requests` requests, or None
+        without a fit."""
         fit = self.fit()
         if fit is None:
-            return _PRIOR_COST_RATIO
+            return None
         a, b = fit
         n = max(num_requests, 1)
-        return b * n / (a + b * n)
+        return (a + b * n) / n
 
 
 @dataclass
 class DraftState:
-    """One request's acceptance estimate and current draft length."""
+    """One request's acceptance estimate, current draft length, shadow draft (n-gram) and
+    steps spent at k = 0."""
 
     acceptance: float
     k: int
     shadow: list[int]
+    steps_off: int = 0
+
+    def probe(self) -> bool:
+        """At k = 0 for a method whose drafts cost a forward: True every 16th step, when one
+        token is drafted to measure acceptance again."""
+        self.steps_off += 1
+        return self.steps_off % _PROBE_EVERY == 0
 
 
 class AdaptiveK:
@@ -103,6 +114,22 @@ class AdaptiveK:
         self.initial_acceptance = initial_acceptance
         self.smoothing = smoothing
         self.cost = StepCostModel()
+        self.draft_seconds = 0.0  # per drafted token (draft passes that run a forward), moving average
+
+    def record_draft(self, num_tokens: int, seconds: float) -> None:
+        """A draft pass that produced `num_tokens` draft tokens in `seconds`."""
+        if num_tokens > 0:
+            per = seconds / num_tokens
+            self.draft_seconds = per if self.draft_seconds == 0 else self.draft_seconds + 0.2 * (per - self.draft_seconds)
+
+    def cost_ratio(self, num_requests: int) -> float:
+        """(b + d) / tau: the seconds one more drafted token costs (b: its share of the
+        verify forward, d: drafting it) over the seconds per token of a plain decode step of
+        `num_requests` requests; 0.2 until 16 decode steps are timed."""
+        tau = self.cost.seconds_per_token(num_requests)
+        if tau is None:
+            return _PRIOR_COST_RATIO
+        return (self.cost.fit()[1] + self.draft_seconds) / tau
 
     def new_state(self) -> DraftState:
         return DraftState(self.initial_acceptance, self.max_k, [])
@@ -116,7 +143,7 @@ class AdaptiveK:
 
     def choose(self, state: DraftState, num_requests: int) -> int:
         """The draft length for the request's next step, stored in `state.k` (0..max_k)."""
-        ratio = self.cost.cost_ratio(num_requests)
+        ratio = self.cost_ratio(num_requests)
         k = 0
         while k < self.max_k and state.acceptance ** (k + 1) > ratio:
             k += 1
