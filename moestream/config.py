@@ -418,7 +418,9 @@ class SpeculativeConfig:
         method: "ngram" (prompt lookup) or "draft_experts" (self-speculation: greedy drafts
             by the model itself with each MoE layer routed only to experts already on the
             device, so a draft never waits for an expert load; DraftExpert, arXiv 2607.24434).
-            The prompt_lookup fields apply to "ngram" only.
+            Or "mtp": the checkpoint's multi-token-prediction layer (`mtp.*` of the Qwen3-Next
+            and Qwen3.5 hub checkpoints), chained for k drafts. The prompt_lookup fields apply
+            to "ngram" only.
         num_speculative_tokens: draft tokens proposed per step (k).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes matched, longest first; when one
             is unset it takes the other's value, when both are unset both are 5 (vLLM's rule).
@@ -440,9 +442,8 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
-        if self.method not in ("ngram", "draft_experts"):
-            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram' or 'draft_experts' (mtp is "
-                             "not available yet)")
+        if self.method not in ("ngram", "draft_experts", "mtp"):
+            raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram', 'draft_experts' or 'mtp'")
         if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

@@ -41,6 +41,7 @@ from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import SamplingParams
 from moestream.spec_decode.adaptive import AdaptiveK
+from moestream.spec_decode.mtp import load_mtp
 from moestream.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len)
         model = self._load(mcfg)
         bs = config.block_size
-        self.kv_cache_block_bytes = block_bytes = kv_block_bytes(len(mcfg.attention_layers), bs, mcfg.num_kv_heads, mcfg.head_dim, self.dtype)
+        num_kv_layers = len(mcfg.attention_layers) + (self.mtp is not None)  # the MTP layer has a KV cache too
+        self.kv_cache_block_bytes = block_bytes = kv_block_bytes(num_kv_layers, bs, mcfg.num_kv_heads, mcfg.head_dim,
+                                                                 self.dtype)
         num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, self.max_model_len,
                                    config.max_num_seqs)
         kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
@@ -109,7 +112,8 @@ class LLMEngine:
             checkpoints = StateCheckpointPool(self.state_pool, config.state_checkpoint_host_bytes)
         self.coordinator = KVCacheCoordinator(kv_cache, self.state_pool, checkpoints, config.state_checkpoint_interval)
         self.scheduler = Scheduler(self.coordinator, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder)
+        self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder,
+                                  self.mtp)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -208,6 +212,9 @@ class LLMEngine:
         if plan.resident:
             load_resident_experts(mcfg, reader, self.dtype, self.device, store)
         self.expert_store = store
+        sc = config.speculative_config
+        self.mtp = load_mtp(mcfg, reader, self.dtype, self.device, TorchAttentionBackend()) if (
+            sc is not None and sc.method == "mtp") else None
         return model
 
     def save_routing_trace(self) -> None:
@@ -365,8 +372,8 @@ class LLMEngine:
             else:
                 continuing.append(req)
             outputs.append(self.output_processor.make_output(req))
-        if self.speculative_config is not None and continuing:
-            self._propose(continuing)
+        if self.speculative_config is not None and (continuing or self.runner.mtp is not None):
+            self._propose(continuing, [r for r, _ in sched.scheduled if not r.status.is_finished])
         if self.speculative_config is not None and now - self._spec_log_time >= _SPEC_LOG_INTERVAL:
             self._log_spec_decode(now)
         return outputs
@@ -453,15 +460,37 @@ class LLMEngine:
                         state.acceptance, k)
         return min(room, k)
 
-    def _propose(self, reqs: list[Request]) -> None:
-        """Set the draft tokens of the requests that go on (`spec_token_ids`), for their next
-        step: n-gram lookups, or one batched greedy draft pass over resident experts
-        (`draft_experts`). A draft that fails is dropped with an error log: drafts are an
-        optimisation, never a reason to fail requests."""
+    def _propose(self, reqs: list[Request], alive: list[Request]) -> None:
+        """Set the draft tokens of the requests that go on (`reqs`: they sampled this step) in
+        `spec_token_ids`, for their next step: n-gram lookups, one batched greedy draft pass
+        over resident experts (`draft_experts`), or the MTP pass (`mtp`), which also runs over
+        the step's other unfinished requests (`alive`: prefill chunks) to keep its KV cache
+        complete. A draft that fails is dropped with an error log: drafts are an optimisation,
+        never a reason to fail requests."""
         lengths = [self._draft_length(r) for r in reqs]
-        if self.speculative_config.method == "ngram":
+        method = self.speculative_config.method
+        if method == "ngram":
             for req, n in zip(reqs, lengths):
                 req.spec_token_ids = self.proposer.propose(req.token_ids, n) if n else []
+            return
+        if method == "mtp":
+            want = {id(r): n for r, n in zip(reqs, lengths)}
+            mtp_lengths = []
+            for req in alive:  # blocks for the chained drafts' own KV positions, or one draft only
+                n = want.get(id(req), 0)
+                if n >= 2 and not self.coordinator.allocate_slots(req, req.num_tokens + n - 2):
+                    n = 1
+                mtp_lengths.append(n)
+            t0 = time.perf_counter()
+            try:
+                drafts = self.runner.mtp_draft(alive, mtp_lengths, self.coordinator)
+            except Exception:
+                logger.exception("MTP pass failed; these requests go on without drafts")
+                return
+            if self.adaptive is not None:
+                self.adaptive.record_draft(max(sum(mtp_lengths), 1), time.perf_counter() - t0)
+            for req, d in zip(alive, drafts):
+                req.spec_token_ids = d
             return
         for i, req in enumerate(reqs):  # blocks for the drafted positions, or no draft
             if lengths[i] and not self.coordinator.allocate_slots(req, req.num_tokens - 1 + lengths[i]):

@@ -15,6 +15,7 @@ from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
 from moestream.layers.gated_delta_net import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.spec_decode.mtp import MTPLayer
 
 
 class ModelRunner:
@@ -40,6 +41,7 @@ class ModelRunner:
         device: torch.device,
         state_pool: StatePool | None = None,
         recorder: RoutingRecorder | None = None,
+        mtp: MTPLayer | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -52,11 +54,33 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in cfg.attention_layers
         ]
+        self.mtp = mtp  # speculative method "mtp": the checkpoint's MTP layer, with its own KV cache
+        self.mtp_kv = ((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                       if mtp is not None else None)
+        self._last_hidden: torch.Tensor | None = None
+        self._last_rows: dict[str, tuple[int, int]] = {}
+
+    def _attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
+                            slots: list[int]) -> AttentionMetadata:
+        """Attention metadata of a flat batch: request i owns rows [qsl[i], qsl[i+1]), sees
+        seq_lens[i] tokens through block table tables[i]; row r's KV goes to slots[r]."""
+        dev = self.device
+        width = max(len(t) for t in tables)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes held by the KV cache tensors (all full-attention layers)."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        """Bytes held by the KV cache tensors (all full-attention layers, and the MTP layer's)."""
+        caches = self.kv_caches + ([self.mtp_kv] if self.mtp_kv is not None else [])
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, coordinator: KVCacheCoordinator
@@ -95,17 +119,8 @@ class ModelRunner:
                 sample_rows.extend(range(qsl[-1] - 1 - len(draft), qsl[-1]))
                 num_rows.append(1 + len(draft))
                 samplers.append(req)
-        width = max(len(t) for t in tables)
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            block_size=self.block_size,
-        )
+        meta = self._attention_metadata(qsl, seq_lens, tables, slots)
         state_caches, state_meta = None, None
         if self.state_pool is not None:
             plan = sched.states
@@ -117,6 +132,9 @@ class ModelRunner:
         if self.recorder is not None:
             self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta)  # [T, H]
+        if self.mtp is not None:  # the MTP pass reads every row's hidden state after the update
+            self._last_hidden = hidden
+            self._last_rows = {r.request_id: (r.num_computed_tokens, qsl[i]) for i, (r, _) in enumerate(scheduled)}
         if not samplers:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
@@ -155,17 +173,7 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
                 tables.append(table)
             qsl = list(range(len(live) + 1))
-            seq_lens = [p + 1 for p in positions]
-            width = max(len(t) for t in tables)
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                query_start_loc_cpu=qsl,
-                seq_lens_cpu=seq_lens,
-                block_size=bs,
-            )
+            meta = self._attention_metadata(qsl, [p + 1 for p in positions], tables, slots)
             state_caches, state_meta = None, None
             if pool is not None:
                 live_rows = [rows[i] for i in live]
@@ -176,4 +184,58 @@ class ModelRunner:
                                 state_caches, state_meta, resident_only=True)  # [n, H]
             for i, t in zip(live, self.model.compute_logits(hidden).argmax(-1).tolist()):
                 drafts[i].append(t)
+        return drafts
+
+    @torch.inference_mode()
+    def mtp_draft(self, requests: list[Request], lengths: list[int], coordinator: KVCacheCoordinator
+                  ) -> list[list[int]]:
+        """The MTP pass after a step's update (`spec_decode.mtp`). For each of `requests` (run
+        in the last `execute`, not finished), one MTP row per position p it verified there:
+        target hidden h_p with token x_{p+1}, at position p, into the MTP layer's KV. Then
+        greedy drafts: lengths[i] tokens for request i, the first from its last row, each next
+        one from the previous draft and the MTP output (one row per forward, KV at the next
+        position: the caller allocated blocks through num_tokens + lengths[i] - 2).
+
+        Returns: the drafts, lengths[i] token ids each.
+        """
+        dev, bs = self.device, self.block_size
+        embed = self.model.model.embed_tokens
+        rows, ids, positions, slots, tables, qsl, seq_lens = [], [], [], [], [], [0], []
+        last_row: dict[int, int] = {}  # request index -> its last row in the MTP batch
+        for i, req in enumerate(requests):
+            start, row0 = self._last_rows[req.request_id]
+            valid = range(start, req.num_computed_tokens)  # positions verified this step
+            if not valid:
+                continue
+            table = coordinator.block_table(req.request_id)
+            rows.extend(row0 + p - start for p in valid)
+            ids.extend(req.token_ids[p + 1] for p in valid)
+            positions.extend(valid)
+            slots.extend(table[p // bs] * bs + p % bs for p in valid)
+            tables.append(table)
+            qsl.append(qsl[-1] + len(valid))
+            seq_lens.append(req.num_computed_tokens)
+            last_row[i] = qsl[-1] - 1
+        if not rows:
+            return [[] for _ in requests]
+        hidden = self._last_hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]  # [n, H]
+        out = self.mtp(embed(torch.tensor(ids, dtype=torch.int64, device=dev)), hidden,
+                       torch.tensor(positions, dtype=torch.int64, device=dev), self.mtp_kv,
+                       self._attention_metadata(qsl, seq_lens, tables, slots))  # [n, H]
+        live = [i for i, n in enumerate(lengths) if n > 0 and i in last_row]
+        drafts: list[list[int]] = [[] for _ in requests]
+        last = out[[last_row[i] for i in live]]  # [m, H] each drafting request's last row
+        for j in range(max((lengths[i] for i in live), default=0)):
+            for i, t in zip(live, self.model.compute_logits(last).argmax(-1).tolist()):
+                drafts[i].append(t)
+            keep = [n for n, i in enumerate(live) if lengths[i] > j + 1]
+            live, last = [live[n] for n in keep], last[keep]
+            if not live:
+                break
+            pos = [requests[i].num_computed_tokens + j for i in live]  # the draft's own position
+            tabs = [coordinator.block_table(requests[i].request_id) for i in live]
+            last = self.mtp(embed(torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64, device=dev)), last,
+                            torch.tensor(pos, dtype=torch.int64, device=dev), self.mtp_kv,
+                            self._attention_metadata(list(range(len(live) + 1)), [p + 1 for p in pos], tabs,
+                                                     [t[p // bs] * bs + p % bs for t, p in zip(tabs, pos)]))
         return drafts
