@@ -410,6 +410,11 @@ def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.d
     return _DTYPES[dtype]
 
 
+# Draft tokens per step at most: acceptance decays geometrically with the position, and on
+# hybrid models each position keeps one linear-attention state per device slot.
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding settings, as vLLM's `speculative_config`.
@@ -421,7 +426,7 @@ class SpeculativeConfig:
             Or "mtp": the checkpoint's multi-token-prediction layer (`mtp.*` of the Qwen3-Next
             and Qwen3.5 hub checkpoints), chained for k drafts. The prompt_lookup fields apply
             to "ngram" only.
-        num_speculative_tokens: draft tokens proposed per step (k).
+        num_speculative_tokens: draft tokens proposed per step (k), 1 to 16.
         prompt_lookup_min, prompt_lookup_max: n-gram sizes matched, longest first; when one
             is unset it takes the other's value, when both are unset both are 5 (vLLM's rule).
         adaptive: lower each request's draft length, down to 0, where its measured
@@ -446,6 +451,14 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; use 'ngram', 'draft_experts' or 'mtp'")
         if not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be at most {MAX_SPECULATIVE_TOKENS}, got "
+                             f"{self.num_speculative_tokens}: each draft position costs verify compute (and, on hybrid "
+                             "models, one state per slot), and acceptance falls with every position; 3-5 is typical")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and not (is_int(value) and value >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
         if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):

@@ -60,6 +60,12 @@ def test_speculative_config_follows_vllm() -> None:
     for bad, msg in [({"method": "eagle", "num_speculative_tokens": 3}, "unknown speculative method 'eagle'"),
                      ({"method": "ngram"}, "speculative_config needs 'num_speculative_tokens'"),
                      ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
+                     ({"method": "ngram", "num_speculative_tokens": 1000}, "num_speculative_tokens must be at most 16"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+                      "prompt_lookup_min must be a positive integer, got 0"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2.5},
+                      "prompt_lookup_max must be a positive integer, got 2.5"),
+                     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "no"}, "adaptive must be true or false"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, r"unknown speculative_config keys \['k'\]"),
                      ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
                       "need 1 <= prompt_lookup_min <= prompt_lookup_max")]:

@@ -44,7 +44,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prompt prefix seen before instead of recomputing it (default: on)")
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4}\' (ngram only so far; not yet for hybrid models) (default: off)')
+                        '"prompt_lookup_max": 4}\'; methods ngram, draft_experts, mtp; "adaptive": false keeps k '
+                        'fixed (default: off)')
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs a request may ask for per token (default: 20)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
