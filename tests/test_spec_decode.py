@@ -286,6 +286,11 @@ def test_step_cost_fit_and_draft_length_rule() -> None:
     assert st.acceptance == pytest.approx((0.5 + 0.15 * 0.5) * 0.85)
     ak.observe(st, 2, 2)
     assert st.acceptance == pytest.approx(1 - (1 - (0.5 + 0.15 * 0.5) * 0.85) * 0.85 ** 2)
+    # A new request starts from the engine-wide average (4 observations at 1/10 the weight).
+    want = 0.7
+    for x in (1, 0, 1, 1):
+        want += 0.015 * (x - want)
+    assert ak.new_state().acceptance == pytest.approx(want)
 
 
 def test_adaptive_k_stops_drafting_what_is_never_accepted(qwen3_moe_dir: str, caplog) -> None:

@@ -13,7 +13,8 @@ expected-speedup argument of Leviathan et al. (2023, section 3.4, "choosing gamm
 cost ratio measured instead of assumed:
 - `StepCostModel` fits step seconds = a + b * tokens by least squares over recent steps that
   only decoded (no prefill chunk), so expert loads under a budget and wider batches are in it;
-- each request's alpha is an exponential moving average over its verified positions. A
+- each request's alpha is an exponential moving average over its verified positions,
+  starting from the average over all requests so far. A
   request at k = 0 still gets a one-token "shadow" draft each step (for prompt lookup, free):
   the token it then samples tells whether the draft would have been accepted, so its alpha
   keeps being measured and k comes back when drafts start to match. Where a draft costs a
@@ -114,6 +115,7 @@ class AdaptiveK:
         self.initial_acceptance = initial_acceptance
         self.smoothing = smoothing
         self.cost = StepCostModel()
+        self.acceptance = initial_acceptance  # over all requests, moving average
         self.draft_seconds = 0.0  # per drafted token (draft passes that run a forward), moving average
 
     def record_draft(self, num_tokens: int, seconds: float) -> None:
@@ -132,14 +134,20 @@ class AdaptiveK:
         return (self.cost.fit()[1] + self.draft_seconds) / tau
 
     def new_state(self) -> DraftState:
-        return DraftState(self.initial_acceptance, self.max_k, [])
+        """A new request's state: it starts from the acceptance measured over all requests
+        so far (`initial_acceptance` before any), so a workload whose drafts miss does not
+        pay for each new request's first rejections again."""
+        return DraftState(self.acceptance, self.max_k, [])
 
     def observe(self, state: DraftState, num_drafts: int, num_accepted: int) -> None:
         """Fold in one verify: `num_accepted` of `num_drafts` positions accepted, then (if
-        fewer) one rejection; positions after a rejection were never judged."""
+        fewer) one rejection; positions after a rejection were never judged. The engine-wide
+        average moves 10x slower than a request's."""
         w = self.smoothing
         for j in range(min(num_accepted + 1, num_drafts)):
-            state.acceptance += w * ((1.0 if j < num_accepted else 0.0) - state.acceptance)
+            x = 1.0 if j < num_accepted else 0.0
+            state.acceptance += w * (x - state.acceptance)
+            self.acceptance += 0.1 * w * (x - self.acceptance)
 
     def choose(self, state: DraftState, num_requests: int) -> int:
         """The draft length for the request's next step, stored in `state.k` (0..max_k)."""
