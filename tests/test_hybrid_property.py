@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from random_schedule import run_schedule
 
 from moestream import LLM, SamplingParams
 from moestream.engine.kv_cache import kv_block_bytes
@@ -42,26 +43,7 @@ def engine_and_solo(qwen3_next_dir: str):
 def test_random_schedules_leak_nothing_and_do_not_change_outputs(engine_and_solo, arrivals, aborts) -> None:
     engine, solo = engine_and_solo
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    pending = sorted(((step, i, f"r{n}") for n, (i, step) in enumerate(arrivals)), key=lambda x: x[0])
-    abort_at = {}
-    for n, step in aborts:
-        if n < len(arrivals):
-            abort_at.setdefault(step, []).append(f"r{n}")
-    prompt_of, finished, aborted = {}, {}, set()
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, i, rid = pending.pop(0)
-            engine.add_request({"prompt_token_ids": PROMPTS[i]}, params, request_id=rid)
-            prompt_of[rid] = i
-        for rid in abort_at.get(step, []):
-            if engine.abort_request(rid) is not None:
-                aborted.add(rid)
-        for out in engine.step():
-            if out.finished and out.request_id not in aborted:
-                finished[out.request_id] = out.outputs[0].token_ids
-        step += 1
-        assert step < 500, "the engine made no progress"
+    prompt_of, finished, aborted = run_schedule(engine, PROMPTS, params, arrivals, aborts)
     pool, kv, coord = engine.state_pool, engine.kv_cache, engine.coordinator
     assert kv.num_free_blocks == kv.num_blocks and all(kv.ref_count(b) == 0 for b in range(kv.num_blocks))
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2

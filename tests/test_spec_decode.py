@@ -37,6 +37,12 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW):
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
+def _reference(model_dir: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The output tokens of `prompt` without speculation."""
+    llm = LLM(model_dir, dtype="float32", max_model_len=128)
+    return llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+
+
 # ---- the proposer ----------------------------------------------------------------------
 
 
@@ -237,8 +243,7 @@ def test_forced_rejections_stay_exact(qwen3_moe_dir: str, right: int) -> None:
     k, max_tokens = 3, 20
     prompt = _prompts()[2]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
-        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    ref = _reference(qwen3_moe_dir, prompt, params)
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False})
     engine = llm.llm_engine
@@ -302,8 +307,7 @@ def test_adaptive_k_stops_drafting_what_is_never_accepted(qwen3_moe_dir: str, ca
 
     prompt = _prompts()[2]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
-        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    ref = _reference(qwen3_moe_dir, prompt, params)
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.llm_engine
@@ -321,8 +325,7 @@ def test_adaptive_k_drafts_again_once_drafts_match(qwen3_moe_dir: str) -> None:
     change and drafting resumes, with every later draft accepted."""
     prompt = _prompts()[2]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    ref = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128).generate(
-        [{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    ref = _reference(qwen3_moe_dir, prompt, params)
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.llm_engine
