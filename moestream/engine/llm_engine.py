@@ -335,12 +335,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        decode_only = all(n == 1 + len(r.spec_token_ids) and r.num_computed_tokens == r.num_tokens - 1
-                          for r, n in sched.scheduled)
+        decode_only = self.adaptive is not None and all(  # steps the adaptive-k cost model times
+            n == 1 + len(r.spec_token_ids) and r.num_computed_tokens == r.num_tokens - 1 for r, n in sched.scheduled)
         try:
             t0 = time.perf_counter()
             samplers, logits, num_rows = self.runner.execute(sched, self.coordinator)
-            if self.adaptive is not None and decode_only:
+            if decode_only:
                 self.adaptive.cost.record(sched.num_tokens, time.perf_counter() - t0)
             starts = list(itertools.accumulate([0] + num_rows[:-1]))
             result = self._sample(samplers, logits[starts]) if samplers else None
