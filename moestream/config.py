@@ -42,6 +42,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MultiModalConfig:
+    """The vision side of a multimodal checkpoint (Qwen3.5-MoE's `Qwen3_5MoeForConditionalGeneration`).
+
+    Token ids of the placeholders the chat template writes (`image_token_id`,
+    `video_token_id`, inside `vision_start_token_id` ... `vision_end_token_id`);
+    `spatial_merge_size` (2 x 2 patches become one language-model token),
+    `patch_size` and `temporal_patch_size` in pixels / frames; `mrope_section`: how many
+    rotary frequencies take the temporal, height and width position (interleaved T H W T H W
+    ..., as HF's `Qwen3_5MoeTextRotaryEmbedding`); `vision_config`: the HF vision config
+    dict, for transformers' vision module class.
+    """
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    patch_size: int
+    temporal_patch_size: int
+    mrope_section: tuple[int, int, int]
+    vision_config: dict
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of an MoE decoder, with HF attribute names normalised.
 
@@ -54,7 +78,8 @@ class ModelConfig:
     doubled to give a sigmoid output gate); `partial_rotary_factor` (RoPE on the first
     fraction of head_dim); `norm_unit_offset` (RMSNorm scales by 1 + weight); and
     `weight_prefix`, the checkpoint prefix of the decoder ("model." or, for Qwen3.5-MoE's
-    multimodal class, "model.language_model.").
+    multimodal class, "model.language_model."). `multimodal`: the vision tower's settings
+    when the checkpoint has one (None for text-only checkpoints).
     """
 
     model_type: str
@@ -92,6 +117,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     norm_unit_offset: bool = False
     weight_prefix: str = "model."
+    multimodal: MultiModalConfig | None = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -150,13 +176,17 @@ class ModelConfig:
                 f"{where}: unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         f = _Fields(hf, where, _MODEL_NAMES[model_type])
+        multimodal = None
         if model_type == "qwen3_5_moe" and hf.get("text_config") is not None:
-            # The multimodal class: the decoder is `model.language_model.`; vision is not loaded.
+            # The multimodal class: the decoder is `model.language_model.`, the vision tower `model.visual.`.
             text = dict(f.get("text_config", dict))
             outer = [k for k in _SHARED_KEYS if text.get(k) is None and hf.get(k) is not None]
             text.update({k: hf[k] for k in outer})
+            outer_fields = f
             f = _Fields(text, where, f.model_name, "text_config.", {k: k for k in outer})
             weight_prefix = "model.language_model."
+            if hf.get("vision_config") is not None:
+                multimodal = _multimodal_from_hf(outer_fields, f)
         hidden = f.integer("hidden_size", minimum=1)
         heads = f.integer("num_attention_heads", minimum=1)
         num_layers = f.integer("num_hidden_layers", minimum=1)
@@ -213,6 +243,7 @@ class ModelConfig:
             torch_dtype=f.get("torch_dtype", str, default=None) or f.get("dtype", str, default=None),
             eos_token_ids=eos_ids,
             bos_token_id=f.integer("bos_token_id", default=None),
+            multimodal=multimodal,
             **hybrid,
         )
 
@@ -351,6 +382,33 @@ def _hybrid_from_hf(f: _Fields, model_type: str, num_layers: int, weight_prefix:
         partial_rotary_factor=partial if partial is not None else f.number("partial_rotary_factor", default=0.25),
         norm_unit_offset=True,
         weight_prefix=weight_prefix,
+    )
+
+
+def _multimodal_from_hf(outer: _Fields, text: _Fields) -> MultiModalConfig:
+    """The vision fields of Qwen3.5-MoE's multimodal config (transformers'
+    configuration_qwen3_5_moe.py defaults; `mrope_section` from the text config's
+    `rope_parameters`, default [11, 11, 10] as HF's text rotary embedding).
+
+    Raises:
+        ValueError: a field is mistyped or out of range (see `_Fields`), or `mrope_section`
+            is not three non-negative integers.
+    """
+    vision = outer.get("vision_config", dict)
+    v = _Fields(vision, outer.where, outer.model_name, "vision_config.")
+    section = _rope_fields(text).get("mrope_section", list, default=[11, 11, 10])
+    if len(section) != 3 or not all(is_int(x) and x >= 0 for x in section):
+        raise text.error("rope_parameters.mrope_section", f"must be three non-negative integers; got {section}")
+    return MultiModalConfig(
+        image_token_id=outer.integer("image_token_id", default=248056, minimum=0),
+        video_token_id=outer.integer("video_token_id", default=248057, minimum=0),
+        vision_start_token_id=outer.integer("vision_start_token_id", default=248053, minimum=0),
+        vision_end_token_id=outer.integer("vision_end_token_id", default=248054, minimum=0),
+        spatial_merge_size=v.integer("spatial_merge_size", default=2, minimum=1),
+        patch_size=v.integer("patch_size", default=16, minimum=1),
+        temporal_patch_size=v.integer("temporal_patch_size", default=2, minimum=1),
+        mrope_section=tuple(int(x) for x in section),  # type: ignore[arg-type]
+        vision_config=dict(vision),
     )
 
 
@@ -536,6 +594,10 @@ class EngineConfig:
             for checkpoints moved off the device (default 1 GiB; 0 = drop them instead).
         speculative_config: speculative decoding (`SpeculativeConfig`, or vLLM's dict form);
             None = off.
+        limit_mm_per_prompt: multimodal checkpoints: most items per prompt by modality
+            (vLLM's flag), e.g. {"image": 4}; images default to 16.
+        max_image_pixels: multimodal checkpoints: most pixels (width x height) of an input
+            image, refused before its pixels are decoded (default 8192 x 8192).
     """
 
     model: str
@@ -562,6 +624,8 @@ class EngineConfig:
     max_state_checkpoints: int | None = None
     state_checkpoint_host_bytes: int = 1 << 30
     speculative_config: SpeculativeConfig | dict | None = None
+    limit_mm_per_prompt: dict | None = None
+    max_image_pixels: int = 8192 * 8192
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -607,6 +671,13 @@ class EngineConfig:
                              f"got {self.state_checkpoint_host_bytes!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        if self.limit_mm_per_prompt is not None:
+            lim = self.limit_mm_per_prompt
+            if not isinstance(lim, dict) or any(k != "image" or not is_int(v) or v < 0 for k, v in lim.items()):
+                raise ValueError(f"limit_mm_per_prompt must map 'image' to a non-negative integer, e.g. "
+                                 f"{{\"image\": 4}}; got {lim!r}")
+        if not is_int(self.max_image_pixels) or self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be a positive integer, got {self.max_image_pixels!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -52,6 +52,8 @@ class LLM:
         max_state_checkpoints: int | None = None,
         state_checkpoint_host_bytes: int = 1 << 30,
         speculative_config: dict | None = None,
+        limit_mm_per_prompt: dict | None = None,
+        max_image_pixels: int = 8192 * 8192,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -79,6 +81,8 @@ class LLM:
                 max_state_checkpoints=max_state_checkpoints,
                 state_checkpoint_host_bytes=state_checkpoint_host_bytes,
                 speculative_config=speculative_config,
+                limit_mm_per_prompt=limit_mm_per_prompt,
+                max_image_pixels=max_image_pixels,
             )
         )
 
@@ -138,7 +142,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
-        A prompt is a str, a list of token ids, or {"prompt_token_ids": [...]};
+        A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]},
+        either dict optionally with images: {"multi_modal_data": {"image": PIL image or list}}
+        (one `<|image_pad|>` placeholder per image in the prompt, as the chat template writes);
         `sampling_params` is one object for all prompts or a list with one per prompt.
 
         Raises:

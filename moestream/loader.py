@@ -137,10 +137,6 @@ def build_model(
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     model.eval()
-    if cfg.weight_prefix != "model.":
-        skipped = [n for n in reader.weight_map if n.startswith("model.visual.")]
-        if skipped:
-            logger.info("text only: skipping the vision encoder's %d tensors (model.visual.*)", len(skipped))
     return model
 
 

@@ -28,6 +28,32 @@ HYBRID = dict(
 )
 
 
+# The multimodal fixture's vision tokens, added to the Qwen2 tokenizer after its 151936 entries.
+VL_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+VL_TOKENS = dict(vision_start_token_id=151936, vision_end_token_id=151937, image_token_id=151938,
+                 video_token_id=151939)
+VL_VOCAB_SIZE = 151952
+# Qwen3.5's image preprocessing, scaled to the tiny tower (8-pixel patches, 2 x 2 merge): Qwen2-VL's
+# image processor fields, as in a hub checkpoint's preprocessor_config.json.
+VL_PREPROCESSOR = dict(
+    image_processor_type="Qwen2VLImageProcessor", processor_class="Qwen3VLProcessor", patch_size=8, merge_size=2,
+    temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+)
+# Qwen-VL's chat template shape: image and video content parts become vision placeholders.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def _hybrid_model(model_type: str, overrides: dict) -> "torch.nn.Module":
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.qwen3_5_moe import (
@@ -43,8 +69,13 @@ def _hybrid_model(model_type: str, overrides: dict) -> "torch.nn.Module":
         return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     if model_type == "qwen3_5_moe":
         return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw))
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=kw, vision_config=vision))
+    # M-RoPE over all 16 dims of a head (8 frequencies: T at 0, 3, 6; H at 1, 4, 7; W at 2, 5).
+    kw.update(vocab_size=VL_VOCAB_SIZE, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0, mrope_section=[3, 3, 2],
+        mrope_interleaved=True))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                  num_position_embeddings=64)
+    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=kw, vision_config=vision, **VL_TOKENS))
 
 
 def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int = 0, **overrides: object) -> str:
@@ -60,6 +91,8 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
         _randomize(model)
         model.save_pretrained(out_dir)
         _copy_tokenizer(tok_dir, out_dir)
+        if model_type == "qwen3_5_moe_vl":
+            _add_vision_tokens(out_dir)
         return out_dir
     if model_type == "qwen3_moe":
         kw = dict(vocab_size=151936, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
@@ -91,6 +124,21 @@ def _randomize(model: torch.nn.Module) -> None:
 def _copy_tokenizer(tok_dir: str, out_dir: str) -> None:
     for f in os.listdir(tok_dir):
         shutil.copy(os.path.join(tok_dir, f), out_dir)
+
+
+def _add_vision_tokens(out_dir: str) -> None:
+    """The multimodal fixture's tokenizer (vision tokens added), chat template and preprocessor config."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    tok.add_special_tokens({"additional_special_tokens": list(VL_SPECIAL_TOKENS)})
+    assert [tok.convert_tokens_to_ids(t) for t in VL_SPECIAL_TOKENS] == list(VL_TOKENS.values())
+    tok.chat_template = VL_CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+        json.dump(VL_PREPROCESSOR, f, indent=2)
 
 
 if __name__ == "__main__":

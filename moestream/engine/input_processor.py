@@ -15,6 +15,9 @@ from moestream.validation import is_int
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from moestream.multimodal.inputs import MultiModalInputs
+    from moestream.multimodal.processor import MultiModalProcessor
+
 PromptType = str | Sequence[int] | dict
 
 
@@ -36,10 +39,14 @@ class InputProcessor:
         tokenizer: encodes text prompts (its `encode`).
         vocab_size: token ids must be in [0, vocab_size).
         max_model_len: a prompt must leave room for one output token (tokens).
+        mm_processor: a multimodal checkpoint's image processor (None: prompts with
+            `multi_modal_data` are refused).
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, max_model_len: int,
+                 mm_processor: "MultiModalProcessor | None" = None) -> None:
         self.tokenizer = tokenizer
+        self.mm_processor = mm_processor
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_token_chars = max_token_chars(tokenizer)
@@ -64,16 +71,22 @@ class InputProcessor:
                                          f"tokenizer is longer than {self.max_token_chars} characters),")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def process(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids) of a prompt: a str is tokenized (with special
-        tokens unless `add_special_tokens=False`, as for chat prompts whose template writes
-        them); {"prompt_token_ids": [...]} or a list of ints is taken as is; {"prompt": str}
-        is tokenized. Length is checked before anything else, so an over-long input costs
-        no tokenization and no scan of its ids.
+    def process(self, prompt: PromptType, add_special_tokens: bool = True
+                ) -> tuple[str | None, list[int], "MultiModalInputs | None"]:
+        """(prompt text or None, token ids, multimodal inputs or None) of a prompt: a str is
+        tokenized (with special tokens unless `add_special_tokens=False`, as for chat
+        prompts whose template writes them); {"prompt_token_ids": [...]} or a list of ints
+        is taken as is; {"prompt": str} is tokenized. A dict may carry vLLM's
+        `multi_modal_data` ({"image": PIL image or list}): each image placeholder is
+        expanded to the image's tokens (`MultiModalProcessor.process`). Length is checked
+        before anything else, so an over-long input costs no tokenization and no scan of
+        its ids; a multimodal prompt is checked again once expanded.
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
-                leaves no room for output under max_model_len, or an unknown prompt type.
+                leaves no room for output under max_model_len, an unknown prompt type, or
+                images that are refused (see `MultiModalProcessor.process`; also when the
+                model takes no images).
         """
         encode = False
         if isinstance(prompt, str):
@@ -102,4 +115,18 @@ class InputProcessor:
         bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
-        return text, [int(t) for t in ids]
+        ids = [int(t) for t in ids]
+        mm = None
+        if isinstance(prompt, dict) and prompt.get("mm_inputs") is not None:  # processed already (ids expanded)
+            from moestream.multimodal.inputs import MultiModalInputs
+
+            mm = prompt["mm_inputs"]
+            if not isinstance(mm, MultiModalInputs) or mm.mrope_positions.shape[1] != len(ids):
+                raise ValueError("'mm_inputs' is internal: pass images as 'multi_modal_data'")
+        elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            if self.mm_processor is None:
+                raise ValueError("this model takes no images (its checkpoint has no vision tower); send text only")
+            ids, mm = self.mm_processor.process(ids, prompt["multi_modal_data"])
+            if mm is not None:
+                self._check_length(len(ids), f"{len(ids)} tokens with its images")
+        return text, ids, mm

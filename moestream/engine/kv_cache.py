@@ -53,10 +53,12 @@ def num_kv_blocks(budget_bytes: int | None, block_bytes: int, block_size: int, m
     return num_blocks
 
 
-def hash_block(parent: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
     """The chained hash of one full block: sha256 of the parent block's hash (b"" for the
-    first block) and the block's token ids (as int64). 32 bytes."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+    first block), the block's token ids (as int64) and `extra` (the content hashes of the
+    images whose placeholder tokens fall in the block, as vLLM's extra keys: the same
+    placeholder ids with different images never share a block). 32 bytes."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + extra).digest()
 
 
 @dataclass
@@ -136,17 +138,23 @@ class KVCacheManager:
         """Requests holding `block_id`."""
         return self._ref_count[block_id]
 
-    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
+    def block_hashes(self, request_id: str, token_ids: Sequence[int], num_blocks: int,
+                     mm_spans: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:
         """The chained hashes of the first `num_blocks` full blocks of `token_ids` (memoised
-        per request; the tokens of a block never change once it is full)."""
+        per request; the tokens of a block never change once it is full). `mm_spans`: the
+        request's images as (first token, end token, content hash); a block's hash includes
+        those of the images overlapping it."""
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else b"", token_ids[i * bs:(i + 1) * bs]))
+            lo, hi = i * bs, (i + 1) * bs
+            extra = b"".join(h for start, end, h in mm_spans if start < hi and end > lo)
+            hashes.append(hash_block(hashes[-1] if hashes else b"", token_ids[lo:hi], extra))
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            mm_spans: Sequence[tuple[int, int, bytes]] = ()) -> list[int]:
         """Block ids of the longest cached prefix of `token_ids`, in order; [] without prefix
         caching. At most `len(token_ids) - 1` tokens are hit (as vLLM), so the last token is
         always computed and gives the logits to sample from. Nothing is taken yet: pass the
@@ -154,7 +162,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or self._tables.get(request_id):
             return []
         hits = []
-        for h in self.block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size):
+        for h in self.block_hashes(request_id, token_ids, (len(token_ids) - 1) // self.block_size, mm_spans):
             block = self._cached.get(h)
             if block is None:
                 break
@@ -202,7 +210,8 @@ class KVCacheManager:
         self._tables[request_id] = table
         return True
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                     mm_spans: Sequence[tuple[int, int, bytes]] = ()) -> None:
         """Register the blocks of `request_id` that are full and computed (the first
         `num_computed_tokens` of `token_ids`) in the prefix cache. A block whose hash is
         cached already (computed twice by requests running together) stays uncached."""
@@ -213,7 +222,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         table = self._tables[request_id]
-        hashes = self.block_hashes(request_id, token_ids, num_full)
+        hashes = self.block_hashes(request_id, token_ids, num_full, mm_spans)
         for i in range(start, num_full):
             block, h = table[i], hashes[i]
             if self._block_hash[block] is None and h not in self._cached:

@@ -126,13 +126,13 @@ class KVCacheCoordinator:
 
     def find_prefix(self, req: Request) -> PrefixHit:
         """The longest usable cached prefix of a waiting request's tokens (nothing taken)."""
-        blocks = self.kv.get_computed_blocks(req.request_id, req.token_ids)
+        blocks = self.kv.get_computed_blocks(req.request_id, req.token_ids, req.mm_hash_spans)
         bs = self.block_size
         if self.state_pool is None:
             return PrefixHit(blocks, len(blocks) * bs, None, len(blocks) * bs)
         if self.checkpoints is None or not blocks:
             return PrefixHit([], 0, None, 0)
-        hashes = self.kv.block_hashes(req.request_id, req.token_ids, len(blocks))
+        hashes = self.kv.block_hashes(req.request_id, req.token_ids, len(blocks), req.mm_hash_spans)
         j = len(blocks)
         while j > 0 and hashes[j - 1] not in self.checkpoints:
             j -= 1
@@ -163,7 +163,7 @@ class KVCacheCoordinator:
         if self.checkpoints is not None:
             table = self.kv.block_table(rid)
             n = min(len(table), req.num_computed_tokens // self.block_size)
-            hashes = self.kv.block_hashes(rid, req.token_ids, n) if n else []
+            hashes = self.kv.block_hashes(rid, req.token_ids, n, req.mm_hash_spans) if n else []
             useful = next((i + 1 for i in reversed(range(n)) if hashes[i] in self.checkpoints), 0)
         self.kv.free(rid, useful)
         if self.state_pool is not None:
@@ -224,7 +224,7 @@ class KVCacheCoordinator:
                     self._pending.append((req, None, p, row, decode and p == decode_at))
                 out.append((p - start, row))
                 continue
-            key = self.kv.block_hashes(req.request_id, req.token_ids, p // bs)[-1]
+            key = self.kv.block_hashes(req.request_id, req.token_ids, p // bs, req.mm_hash_spans)[-1]
             if key not in self.checkpoints and all(k != key for _, k, _, _, _ in self._pending):
                 if decode and p == decode_at:  # the request's previous decode checkpoint gives way
                     old = self._output_ckpt.pop(req.request_id, None)
@@ -250,7 +250,7 @@ class KVCacheCoordinator:
                     # The slot takes the state after the last accepted position.
                     self.state_pool.accept(rid, req.num_computed_tokens - verify[0], verify[1])
                 self.kv.trim(rid, req.num_computed_tokens + 1)  # blocks taken for rejected drafts go back
-            self.kv.cache_blocks(rid, req.token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(rid, req.token_ids, req.num_computed_tokens, req.mm_hash_spans)
             self._branch.pop(rid, None)
         bs = self.block_size
         for req, key, num_tokens, row, decode in self._pending:
@@ -259,12 +259,12 @@ class KVCacheCoordinator:
                 self.checkpoints.release_row(row)
                 continue
             if key is None:  # after accepted drafts: their tokens are the request's now
-                key = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs)[-1]
+                key = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs, req.mm_hash_spans)[-1]
                 old = self._output_ckpt.get(rid) if decode else None
                 if old is not None and old != key:
                     del self._output_ckpt[rid]
                     self.checkpoints.drop(old)
-            chain = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs - 1)
+            chain = self.kv.block_hashes(rid, req.token_ids, num_tokens // bs - 1, req.mm_hash_spans)
             parent = next((h for h in reversed(chain) if h in self.checkpoints), None)
             if self.checkpoints.register(key, num_tokens, row, parent) and decode:
                 self._output_ckpt[rid] = key

@@ -37,6 +37,9 @@ from moestream.loader import (
     load_tokenizer,
 )
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.multimodal.inputs import MultiModalInputs
+from moestream.multimodal.processor import MultiModalProcessor
+from moestream.multimodal.vision import load_vision_encoder
 from moestream.outputs import RequestOutput
 from moestream.sampler import Sampler, make_generator
 from moestream.sampling_params import SamplingParams
@@ -97,7 +100,11 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{mcfg.max_position_embeddings}; lower max_model_len"
             )
-        self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len)
+        self.mm_processor = None
+        if mcfg.multimodal is not None:
+            self.mm_processor = MultiModalProcessor(config.model, mcfg.multimodal, config.limit_mm_per_prompt,
+                                                    config.max_image_pixels)
+        self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, self.max_model_len, self.mm_processor)
         model = self._load(mcfg)
         bs = config.block_size
         num_kv_layers = len(mcfg.attention_layers) + (self.mtp is not None)  # the MTP layer has a KV cache too
@@ -113,7 +120,7 @@ class LLMEngine:
         self.coordinator = KVCacheCoordinator(kv_cache, self.state_pool, checkpoints, config.state_checkpoint_interval)
         self.scheduler = Scheduler(self.coordinator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder,
-                                  self.mtp)
+                                  self.mtp, self.vision)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -212,6 +219,8 @@ class LLMEngine:
         if plan.resident:
             load_resident_experts(mcfg, reader, self.dtype, self.device, store)
         self.expert_store = store
+        self.vision = load_vision_encoder(mcfg.multimodal, reader, self.dtype, self.device) if (
+            mcfg.multimodal is not None) else None
         sc = config.speculative_config
         self.mtp = load_mtp(mcfg, reader, self.dtype, self.device, TorchAttentionBackend()) if (
             sc is not None and sc.method == "mtp") else None
@@ -240,9 +249,9 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
 
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(text or None, token ids) of a prompt: see `InputProcessor.process` (a str is
-        tokenized with special tokens, as vLLM).
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """(text or None, token ids, multimodal inputs or None) of a prompt: see
+        `InputProcessor.process` (a str is tokenized with special tokens, as vLLM).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
@@ -255,14 +264,14 @@ class LLMEngine:
         nothing queued and no request in flight affected."""
         params = params if params is not None else SamplingParams()
         self.check_params(params)
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, mm = self.tokenize_prompt(prompt)
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:
                 request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
-        req = Request(request_id, text, ids, params, generator=make_generator(params.seed, self.device))
+        req = Request(request_id, text, ids, params, generator=make_generator(params.seed, self.device), mm_inputs=mm)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
@@ -284,8 +293,8 @@ class LLMEngine:
             self.check_params(params)
             if rid is not None and rid in self.requests:
                 raise ValueError(f"request id '{rid}' is already in flight; give each request a unique id")
-            text, token_ids = self.tokenize_prompt(prompt)  # tokenized once, here
-            checked.append((rid, {"prompt": text, "prompt_token_ids": token_ids}, params))
+            text, token_ids, mm = self.tokenize_prompt(prompt)  # tokenized once, here
+            checked.append((rid, {"prompt": text, "prompt_token_ids": token_ids, "mm_inputs": mm}, params))
         added: list[str] = []
         try:
             for rid, prompt, params in checked:

@@ -15,6 +15,7 @@ from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
 from moestream.layers.gated_delta_net import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.multimodal.vision import VisionEncoder
 from moestream.spec_decode.mtp import MTPLayer
 
 
@@ -30,6 +31,13 @@ class ModelRunner:
     With a routing `recorder`, each forward first names its rows to it (`begin_step`): row i
     of the flat batch [T] is token `positions[i]` of its request, so the MoE layers' records
     of that forward ([T, k] expert ids) land on the right (request, position).
+
+    Multimodal prompts (`Request.mm_inputs`): the `vision` encoder computes an image's
+    embeddings when its first placeholder token is scheduled (kept on the request until its
+    last one is computed, so a chunked prefill may split an image), and they replace the
+    placeholders' token embeddings. Rotary positions are [3, T] M-RoPE positions in a step
+    that computes prompt tokens of a multimodal request, else [T]; a multimodal request's
+    tokens past its prompt sit at p + its rope delta.
     """
 
     def __init__(
@@ -42,8 +50,10 @@ class ModelRunner:
         state_pool: StatePool | None = None,
         recorder: RoutingRecorder | None = None,
         mtp: MTPLayer | None = None,
+        vision: VisionEncoder | None = None,
     ) -> None:
         cfg = model.config
+        self.vision = vision
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -75,6 +85,56 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             block_size=self.block_size,
         )
+
+    def _rope_positions(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """Rotary positions of a flat batch whose rows are, in order, the token indices
+        [start, end) of each (request, start, end): [T] int64, or [3, T] (M-RoPE) when a
+        multimodal request has prompt tokens among them."""
+        if not any(r.mm_inputs is not None and start < r.num_prompt_tokens for r, start, _ in spans):
+            flat: list[int] = []
+            for r, start, end in spans:
+                delta = r.mm_inputs.mrope_delta if r.mm_inputs is not None else 0
+                flat.extend(range(start + delta, end + delta))
+            return torch.tensor(flat, dtype=torch.int64, device=self.device)  # [T]
+        parts = []
+        for r, start, end in spans:
+            if r.mm_inputs is None:
+                parts.append(torch.arange(start, end).expand(3, -1))
+                continue
+            num_prompt, delta = r.num_prompt_tokens, r.mm_inputs.mrope_delta
+            parts.append(r.mm_inputs.mrope_positions[:, start:min(end, num_prompt)])
+            if end > num_prompt:
+                parts.append(torch.arange(max(start, num_prompt) + delta, end + delta).expand(3, -1))
+        return torch.cat(parts, dim=1).to(self.device)  # [3, T]
+
+    def _inputs_embeds(self, ids: torch.Tensor, spans: list[tuple[Request, int, int]]) -> torch.Tensor | None:
+        """Input embeddings [T, H] with the vision embeddings of the images whose placeholder
+        tokens are in the batch (rows as in `_rope_positions`); None when there are none.
+        An image is encoded once, when its first token is scheduled, and its embeddings are
+        dropped once its last token is."""
+        rows: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        row = 0
+        for r, start, end in spans:
+            if r.mm_inputs is not None and start < r.num_prompt_tokens:
+                for i, item in enumerate(r.mm_inputs.items):
+                    lo, hi = max(start, item.offset), min(end, item.end)
+                    if lo >= hi:
+                        continue
+                    emb = r.mm_embeds.get(i)
+                    if emb is None:
+                        assert self.vision is not None, "a multimodal request on a model without a vision tower"
+                        emb = r.mm_embeds[i] = self.vision.encode(item)  # [length, H]
+                    embeds.append(emb[lo - item.offset:hi - item.offset])
+                    rows.append(torch.arange(row + lo - start, row + hi - start))
+                    if hi == item.end:
+                        del r.mm_embeds[i]
+            row += end - start
+        if not rows:
+            return None
+        x = self.model.model.embed_tokens(ids)  # [T, H]
+        x[torch.cat(rows).to(self.device)] = torch.cat(embeds).to(x.dtype)
+        return x
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -128,10 +188,12 @@ class ModelRunner:
             state_meta = StateMetadata(qsl, plan.slots, torch.tensor(plan.slots, dtype=torch.int64, device=dev),
                                        plan.captures)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
+        spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
+        pos = self._rope_positions(spans)  # [T] or [3, T]
         if self.recorder is not None:
             self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
-        hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta)  # [T, H]
+        hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,
+                            inputs_embeds=self._inputs_embeds(ids, spans))  # [T, H]
         if self.mtp is not None:  # the MTP pass reads every row's hidden state after the update
             self._last_hidden = hidden
             self._last_rows = {r.request_id: (r.num_computed_tokens, qsl[i]) for i, (r, _) in enumerate(scheduled)}
@@ -179,8 +241,8 @@ class ModelRunner:
                 live_rows = [rows[i] for i in live]
                 state_caches = pool.caches()
                 state_meta = StateMetadata(qsl, live_rows, torch.tensor(live_rows, dtype=torch.int64, device=dev))
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                                torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_caches, meta,
+            rope = self._rope_positions([(requests[i], p, p + 1) for i, p in zip(live, positions)])
+            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), rope, self.kv_caches, meta,
                                 state_caches, state_meta, resident_only=True)  # [n, H]
             for i, t in zip(live, self.model.compute_logits(hidden).argmax(-1).tolist()):
                 drafts[i].append(t)
@@ -200,7 +262,7 @@ class ModelRunner:
         """
         dev, bs = self.device, self.block_size
         embed = self.model.model.embed_tokens
-        rows, ids, positions, slots, tables, qsl, seq_lens = [], [], [], [], [], [0], []
+        rows, ids, positions, slots, tables, qsl, seq_lens, spans = [], [], [], [], [], [0], [], []
         last_row: dict[int, int] = {}  # request index -> its last row in the MTP batch
         for i, req in enumerate(requests):
             start, row0 = self._last_rows[req.request_id]
@@ -211,6 +273,7 @@ class ModelRunner:
             rows.extend(row0 + p - start for p in valid)
             ids.extend(req.token_ids[p + 1] for p in valid)
             positions.extend(valid)
+            spans.append((req, valid.start, valid.stop))
             slots.extend(table[p // bs] * bs + p % bs for p in valid)
             tables.append(table)
             qsl.append(qsl[-1] + len(valid))
@@ -220,7 +283,7 @@ class ModelRunner:
             return [[] for _ in requests]
         hidden = self._last_hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]  # [n, H]
         out = self.mtp(embed(torch.tensor(ids, dtype=torch.int64, device=dev)), hidden,
-                       torch.tensor(positions, dtype=torch.int64, device=dev), self.mtp_kv,
+                       self._rope_positions(spans), self.mtp_kv,
                        self._attention_metadata(qsl, seq_lens, tables, slots))  # [n, H]
         live = [i for i, n in enumerate(lengths) if n > 0 and i in last_row]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -235,7 +298,7 @@ class ModelRunner:
             pos = [requests[i].num_computed_tokens + j for i in live]  # the draft's own position
             tabs = [coordinator.block_table(requests[i].request_id) for i in live]
             last = self.mtp(embed(torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64, device=dev)), last,
-                            torch.tensor(pos, dtype=torch.int64, device=dev), self.mtp_kv,
+                            self._rope_positions([(requests[i], p, p + 1) for i, p in zip(live, pos)]), self.mtp_kv,
                             self._attention_metadata(list(range(len(live) + 1)), [p + 1 for p in pos], tabs,
                                                      [t[p // bs] * bs + p % bs for t, p in zip(tabs, pos)]))
         return drafts

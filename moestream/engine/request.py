@@ -42,6 +42,11 @@ class Request:
             verified in its next decode step (not part of `token_ids`).
         draft_state: speculative decoding with adaptive k: its `DraftState` (acceptance
             estimate, draft length, shadow draft).
+        mm_inputs: a multimodal prompt's `MultiModalInputs` (images, M-RoPE positions, rope
+            delta), None for text.
+        mm_embeds: vision embeddings of its items (item index -> [length, H]) computed and
+            not yet consumed by its prefill (the encoder cache; dropped once the item's
+            tokens are computed, computed again after a preemption).
         Times are `time.monotonic()` seconds.
     """
 
@@ -66,10 +71,17 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
+    mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs of a prompt with images
+    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def mm_hash_spans(self) -> tuple[tuple[int, int, bytes], ...]:
+        """(first token, end token, content hash) of each image: extra keys of the block hashes."""
+        return self.mm_inputs.hash_spans if self.mm_inputs is not None else ()
 
     @property
     def num_prompt_tokens(self) -> int:

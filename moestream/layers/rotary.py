@@ -91,7 +91,14 @@ class RotaryEmbedding(nn.Module):
     R = int(head_dim * factor) dims of each head rotate; the rest pass through
     (transformers' glm-style `apply_rotary_pos_emb`).
 
-    forward(positions [T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
+    M-RoPE (Qwen2-VL, arXiv 2409.12191; interleaved as Qwen3-VL / Qwen3.5): with
+    `mrope_section` (t, h, w), positions may be [3, T] (temporal, height, width). Frequency j
+    takes the height position when j % 3 == 1 and j < 3h, the width position when
+    j % 3 == 2 and j < 3w, else the temporal one (HF `Qwen3_5MoeTextRotaryEmbedding.
+    recomposition_frequencies`). Text positions are equal on the three axes, so [T] positions
+    are the same as [3, T] copies of them.
+
+    forward(positions [T] or [3, T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
     """
 
     def __init__(
@@ -101,15 +108,28 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: int,
         device: torch.device,
         partial_rotary_factor: float = 1.0,
+        mrope_section: tuple[int, int, int] | None = None,
     ) -> None:
         super().__init__()
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         inv_freq, self.scale = rope_inv_freq(rope, self.rotary_dim, max_position_embeddings)
         # Computed on the CPU explicitly, so that building the model under a meta-device context works.
         self.inv_freq = inv_freq.to(device)  # [R/2] float32
+        self.mrope_axis: torch.Tensor | None = None  # [R/2] int64: which of (t, h, w) frequency j reads
+        if mrope_section is not None:
+            j = torch.arange(self.rotary_dim // 2, device="cpu")
+            axis = torch.zeros_like(j)
+            axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+            axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+            self.mrope_axis = axis.to(device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
+        if positions.dim() == 2:  # M-RoPE [3, T]: frequency j at its axis's position
+            if self.mrope_axis is None:
+                raise ValueError("3-D positions need a rotary embedding built with mrope_section")
+            freqs = positions[self.mrope_axis].float().T * self.inv_freq[None, :]  # [T, R/2]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
         cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]

@@ -102,7 +102,9 @@ class DecoderModel(nn.Module):
         self, cfg: ModelConfig, backend: AttentionBackend, store: ExpertStore, device: torch.device, fused_gdn: bool
     ) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor)
+        mm = cfg.multimodal
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor,
+                                 mm.mrope_section if mm is not None else None)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, rotary, backend, store, fused_gdn) for i in range(cfg.num_layers)
@@ -116,9 +118,11 @@ class DecoderModel(nn.Module):
 class MoEForCausalLM(nn.Module):
     """The whole model. Subclasses set `expert_names` and may override `hf_name`.
 
-    forward(input_ids [T] int64, positions [T] int64, kv_caches: per full-attention layer
-            (k, v), meta, state_caches: per linear-attention layer (conv, ssm), state_meta,
-            resident_only: MoE layers route only to experts on the device, a draft pass)
+    forward(input_ids [T] int64, positions [T] int64 (or [3, T] M-RoPE positions), kv_caches:
+            per full-attention layer (k, v), meta, state_caches: per linear-attention layer
+            (conv, ssm), state_meta, resident_only: MoE layers route only to experts on the
+            device, a draft pass; inputs_embeds [T, H]: the input embeddings to use instead of
+            embedding input_ids, as multimodal prompts give)
         -> hidden states [T, H] (model dtype)
     compute_logits(hidden [N, H]) -> [N, V] float32
     """
@@ -154,8 +158,9 @@ class MoEForCausalLM(nn.Module):
         state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         state_meta: StateMetadata | None = None,
         resident_only: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)  # [T, H]
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
         for layer in self.model.layers:
             cache = next(state_iter) if layer.is_linear else next(kv_iter)

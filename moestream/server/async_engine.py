@@ -199,7 +199,7 @@ class AsyncLLMEngine:
         # Prompts are encoded by one worker thread with its own tokenizer (a fast tokenizer is
         # not safe to share with the engine thread's detokenizers).
         self.input_processor = InputProcessor(copy.deepcopy(engine.tokenizer), engine.model_config.vocab_size,
-                                              engine.max_model_len)
+                                              engine.max_model_len, engine.mm_processor)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
 
     @property
@@ -282,15 +282,16 @@ class AsyncLLMEngine:
         return stream
 
     def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool) -> list[dict]:
-        """(tokenizer thread) Each item's prompt as {"prompt", "prompt_token_ids"}.
+        """(tokenizer thread) Each item's prompt as {"prompt", "prompt_token_ids", "mm_inputs"}
+        (images preprocessed here too, off the engine thread).
 
         Raises:
             ValueError: a prompt the input processor rejects.
         """
         out = []
         for _, prompt, _ in items:
-            text, ids = self.input_processor.process(prompt, add_special_tokens)
-            out.append({"prompt": text, "prompt_token_ids": ids})
+            text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
+            out.append({"prompt": text, "prompt_token_ids": ids, "mm_inputs": mm})
         return out
 
     def abort(self, stream: RequestStream) -> None:

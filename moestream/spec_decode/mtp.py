@@ -35,7 +35,7 @@ MTP_PREFIX = "mtp."
 
 
 class MTPLayer(nn.Module):
-    """forward(embeds [T, H], hidden [T, H], positions [T], kv (k, v), meta) -> [T, H] (normed)."""
+    """forward(embeds [T, H], hidden [T, H], positions [T] (or [3, T] M-RoPE), kv (k, v), meta) -> [T, H] (normed)."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, store: ResidentExpertStore,
                  device: torch.device) -> None:
@@ -45,7 +45,9 @@ class MTPLayer(nn.Module):
         layer_cfg = dataclasses.replace(
             cfg, num_layers=cfg.num_layers + 1, moe_layers=cfg.moe_layers + (True,),
             layer_types=(cfg.layer_types or ("full_attention",) * cfg.num_layers) + ("full_attention",))
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor)
+        mm = cfg.multimodal
+        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor,
+                                 mm.mrope_section if mm is not None else None)
         self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, offset)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, offset)
