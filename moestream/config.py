@@ -595,9 +595,9 @@ class EngineConfig:
         speculative_config: speculative decoding (`SpeculativeConfig`, or vLLM's dict form);
             None = off.
         limit_mm_per_prompt: multimodal checkpoints: most items per prompt by modality
-            (vLLM's flag), e.g. {"image": 4}; images default to 16.
+            (vLLM's flag), e.g. {"image": 4, "video": 1}; defaults 16 images, 1 video.
         max_image_pixels: multimodal checkpoints: most pixels (width x height) of an input
-            image, refused before its pixels are decoded (default 8192 x 8192).
+            image or video frame, refused before its pixels are decoded (default 8192 x 8192).
     """
 
     model: str
@@ -673,9 +673,10 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         if self.limit_mm_per_prompt is not None:
             lim = self.limit_mm_per_prompt
-            if not isinstance(lim, dict) or any(k != "image" or not is_int(v) or v < 0 for k, v in lim.items()):
-                raise ValueError(f"limit_mm_per_prompt must map 'image' to a non-negative integer, e.g. "
-                                 f"{{\"image\": 4}}; got {lim!r}")
+            if not isinstance(lim, dict) or any(k not in ("image", "video") or not is_int(v) or v < 0
+                                                for k, v in lim.items()):
+                raise ValueError(f"limit_mm_per_prompt must map 'image' and/or 'video' to non-negative integers, "
+                                 f"e.g. {{\"image\": 4, \"video\": 1}}; got {lim!r}")
         if not is_int(self.max_image_pixels) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be a positive integer, got {self.max_image_pixels!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -143,8 +143,11 @@ class LLM:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
         A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]},
-        either dict optionally with images: {"multi_modal_data": {"image": PIL image or list}}
-        (one `<|image_pad|>` placeholder per image in the prompt, as the chat template writes);
+        either dict optionally with images and videos (multimodal checkpoints):
+        {"multi_modal_data": {"image": PIL image or list, "video": frames or list}}, a video's
+        frames a uint8 array [T, H, W, 3] or a list of PIL images, or (frames, {"fps": ...});
+        one `<|image_pad|>` / `<|video_pad|>` placeholder per item in the prompt, as the chat
+        template writes;
         `sampling_params` is one object for all prompts or a list with one per prompt.
 
         Raises:

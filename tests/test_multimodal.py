@@ -6,18 +6,22 @@ processor against HF's, and bad images refused with nothing leaked."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scripted_proposer import ScriptedProposer
 from tiny_checkpoint import VL_TOKENS, make_tiny_checkpoint
 from parity import LogitsRecorder, ParityReport, check_parity, greedy_params
 
 from moestream import LLM, SamplingParams
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE_ID = VL_TOKENS["image_token_id"]
+VIDEO_ID = VL_TOKENS["video_token_id"]
 NEW_TOKENS = 16
 
 
@@ -37,9 +41,11 @@ def vl_llm(vl_dir: str) -> LLM:
 
 
 class HFMultimodalReference:
-    """HF `Qwen3_5MoeForConditionalGeneration` in float32, greedy, with HF's own pixel values
-    (`Qwen2VLImageProcessorPil` from the checkpoint) and placeholders expanded as
-    `Qwen3VLProcessor.replace_image_token` does."""
+    """HF `Qwen3_5MoeForConditionalGeneration` in float32, greedy. Image pixels come from HF's
+    own image processor (`Qwen2VLImageProcessorPil` from the checkpoint); the prompt text is
+    expanded by HF's `Qwen3VLProcessor.replace_video_token` and `replace_image_token` rules,
+    then tokenized whole, as HF's processor does. Video pixels are moestream's (HF's video
+    processor needs torchvision), so videos test the model path and the expansion."""
 
     def __init__(self, model_dir: str) -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -49,30 +55,44 @@ class HFMultimodalReference:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
 
-    def inputs(self, prompt: str, images: list[Image.Image]) -> dict:
-        ids = self.tokenizer.encode(prompt)
+    def _video_placeholder(self, grid: list[int], num_frames: int, fps: float) -> str:
+        from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+        from transformers.video_utils import VideoMetadata
+
+        proc = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                               video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                               vision_end_token="<|vision_end|>")
+        proc._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(proc, *a)
+        meta = VideoMetadata(total_num_frames=num_frames, fps=fps, frames_indices=list(range(num_frames)))
+        return Qwen3VLProcessor.replace_video_token(
+            proc, {"video_grid_thw": torch.tensor([grid]), "video_metadata": [meta]}, 0)
+
+    def inputs(self, prompt: str, images: list[Image.Image], videos: list[tuple] = ()) -> dict:
+        """videos: (frames [T, H, W, 3], fps, pixel rows, grid) each."""
         out: dict = {}
-        grids: list[list[int]] = []
+        text = prompt
         if images:
             pv = self.image_processor(images=images, return_tensors="pt")
             out = {"pixel_values": pv["pixel_values"], "image_grid_thw": pv["image_grid_thw"]}
-            grids = pv["image_grid_thw"].tolist()
-        expanded: list[int] = []
-        it = iter(grids)
-        for t in ids:
-            if t == IMAGE_ID:
-                g = next(it)
-                expanded += [t] * (g[0] * g[1] * g[2] // 4)
-            else:
-                expanded.append(t)
-        input_ids = torch.tensor([expanded])
-        out.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                   mm_token_type_ids=(input_ids == IMAGE_ID).int())
+            for g in pv["image_grid_thw"].tolist():
+                text = text.replace(IMAGE, IMAGE.replace("<|image_pad|>", "<|placeholder|>" * (g[0] * g[1] * g[2] // 4)), 1)
+            text = text.replace("<|placeholder|>", "<|image_pad|>")
+        if videos:
+            for frames, fps, _, grid in videos:
+                text = text.replace("<|video_pad|>", self._video_placeholder(grid, len(frames), fps).replace(
+                    "<|video_pad|>", "<|placeholder|>"), 1)
+            text = text.replace("<|placeholder|>", "<|video_pad|>")
+            out.update(pixel_values_videos=torch.cat([v[2] for v in videos]),
+                       video_grid_thw=torch.tensor([v[3] for v in videos]))
+        input_ids = torch.tensor([self.tokenizer.encode(text)])
+        types = (input_ids == IMAGE_ID).int() + 2 * (input_ids == VIDEO_ID).int()
+        out.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), mm_token_type_ids=types)
         return out
 
-    def generate(self, prompt: str, images: list[Image.Image]) -> tuple[list[int], list[int], torch.Tensor]:
+    def generate(self, prompt: str, images: list[Image.Image], videos: list[tuple] = ()
+                 ) -> tuple[list[int], list[int], torch.Tensor]:
         """(expanded prompt ids, greedy tokens, logits [n, V] float32)."""
-        inputs = self.inputs(prompt, images)
+        inputs = self.inputs(prompt, images, videos)
         with torch.no_grad():
             out = self.model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
                                       return_dict_in_generate=True, pad_token_id=0)
@@ -209,7 +229,7 @@ def _png_bytes(image: Image.Image) -> bytes:
     (IMAGE, {"image": []}, "1 image placeholders"),
     ("no placeholder", {"image": [IMAGES[0]]}, "0 image placeholders"),
     (IMAGE, {"image": ["not an image"]}, "image 1 must be a PIL.Image.Image"),
-    (IMAGE, {"video": [IMAGES[0]]}, "unsupported modality 'video'"),
+    (IMAGE, {"audio": [IMAGES[0]]}, "unsupported modality .audio."),
     (IMAGE, ["x"], "multi_modal_data must be a dict"),
     (IMAGE * 3, {"image": IMAGES}, "over the limit of 2 per prompt"),
     (IMAGE, {"image": [Image.new("RGB", (300, 300))]}, "over the limit of 40000"),
@@ -229,3 +249,95 @@ def test_text_checkpoint_refuses_images(qwen3_5_moe_dir: str) -> None:
     llm = LLM(qwen3_5_moe_dir, dtype="float32", max_model_len=64)
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": [IMAGES[0]]}})
+
+
+# A short video: 5 frames of 40 x 48 at 2 fps: resized to 32 x 48 (smart_resize rounds 2.5 to 2), padded to
+# 6 frames: 3 frame groups of 2 x 3 tokens.
+VIDEO_FRAMES = (np.random.RandomState(7).rand(5, 40, 48, 3) * 255).astype(np.uint8)
+VIDEO_CASE = (f"Watch {VIDEO} and then look at {IMAGE}: what happens?", {"video": [(VIDEO_FRAMES, {"fps": 2.0})],
+                                                                       "image": [IMAGES[0]]})
+
+
+def _hf_video_inputs(llm: LLM, prompt: str, data: dict) -> list[tuple]:
+    """The (frames, fps, pixel rows, grid) HF's reference needs, pixels from moestream."""
+    _, _, mm = llm.llm_engine.tokenize_prompt({"prompt": prompt, "multi_modal_data": data})
+    groups = [x for x in mm.items if x.modality == "video"]
+    frames, meta = data["video"][0]
+    return [(frames, meta["fps"], torch.cat([x.pixel_values for x in groups]),
+             [len(groups), *groups[0].grid_thw[1:]])]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_video_and_image_match_hf(vl_dir: str, vl_llm: LLM, hf_vl: HFMultimodalReference, chunked: bool) -> None:
+    """A video and an image in one prompt, batched with a text prompt (and with a 4-token step
+    budget that splits every frame group): the expanded prompt (timestamps, nested vision
+    tokens) equals HF's processor rules, tokens and logits equal HF's."""
+    llm = LLM(vl_dir, dtype="float32", max_model_len=256, max_num_batched_tokens=4) if chunked else vl_llm
+    prompt, data = VIDEO_CASE
+    videos = _hf_video_inputs(llm, prompt, data)
+    recs = [LogitsRecorder(), LogitsRecorder()]
+    outs = llm.generate([{"prompt": prompt, "multi_modal_data": data}, {"prompt": CASES[3][0]}],
+                        [greedy_params(r, NEW_TOKENS) for r in recs])
+    ref_ids, ref_tokens, ref_logits = hf_vl.generate(prompt, [IMAGES[0]], videos)
+    assert outs[0].prompt_token_ids == ref_ids
+    assert ref_ids.count(VIDEO_ID) == 3 * 6 and hf_vl.tokenizer.decode(ref_ids).count(" seconds>") == 3
+    report = ParityReport()
+    check_parity(outs[0].outputs[0].token_ids, recs[0].logits, ref_tokens, ref_logits, report, "video")
+    _check([(outs[1].prompt_token_ids, outs[1].outputs[0].token_ids, recs[1])], [CASES[3]], hf_vl, "text beside video")
+    inputs = hf_vl.inputs(prompt, [IMAGES[0]], videos)
+    pos, delta = hf_vl.model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                                 image_grid_thw=inputs["image_grid_thw"],
+                                                 video_grid_thw=inputs["video_grid_thw"])
+    _, _, mm = llm.llm_engine.tokenize_prompt({"prompt": prompt, "multi_modal_data": data})
+    assert torch.equal(mm.mrope_positions, pos[:, 0]) and mm.mrope_delta == int(delta[0, 0])
+
+
+def test_video_layout_and_timestamps_equal_hf() -> None:
+    """The patch layout and the frame-group timestamps are HF's (`Qwen3VLVideoProcessor.patchify`,
+    `Qwen3VLProcessor._calculate_timestamps`, which run without torchvision)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    from moestream.multimodal.processor import patchify_video, video_timestamps
+
+    clip = torch.randn(6, 3, 32, 48)
+    ours, grid = patchify_video(clip, 8, 2, 2)
+    ref, t, h, w = Qwen3VLVideoProcessor.patchify(None, clip[None], patch_size=8, merge_size=2, temporal_patch_size=2)
+    assert grid == (t, h, w) == (3, 4, 6) and torch.equal(ours, ref[0])
+    for idx, fps in (([0, 3, 6, 9, 12], 2.0), ([0, 1, 2, 3], 24.0)):
+        assert video_timestamps(idx, fps, 2) == Qwen3VLProcessor._calculate_timestamps(None, list(idx), fps, 2)
+
+
+@pytest.mark.parametrize("video, message", [
+    (np.zeros((4, 8, 8), np.uint8), "must be a uint8 array"),
+    (np.zeros((4, 8, 8, 3), np.float32), "must be a uint8 array"),
+    (np.zeros((1, 32, 32, 3), np.uint8), "has 1 frames; give 2 to 768"),
+    ((np.zeros((4, 32, 32, 3), np.uint8), {"fps": -1}), "fps > 0"),
+    ([IMAGES[0], "frame"], "must be a uint8 array"),
+])
+def test_bad_videos_are_refused(vl_llm: LLM, video: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        vl_llm.generate({"prompt": VIDEO, "multi_modal_data": {"video": [video]}}, SamplingParams(max_tokens=2))
+    assert not vl_llm.llm_engine.requests
+
+
+def test_exact_under_preemption_paging_and_speculation(vl_dir: str, vl_llm: LLM) -> None:
+    """Image and video prompts give the same greedy tokens under a 25% expert budget with a KV
+    cache too small for all of them (preempted and recomputed: encoded again, the rope delta
+    kept), and with speculative decoding (drafts right for 0-3 positions, verified at positions
+    p + rope delta)."""
+    cases = [_mm_prompt(p, ims) for p, ims in CASES] + [{"prompt": VIDEO_CASE[0], "multi_modal_data": VIDEO_CASE[1]}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in vl_llm.generate(cases, params)]
+    small = LLM(vl_dir, dtype="float32", max_model_len=128, block_size=8, expert_budget=0.25,
+                kv_cache_memory_bytes=16 * vl_llm.llm_engine.kv_cache_block_bytes // 2)
+    assert [o.outputs[0].token_ids for o in small.generate(cases, params)] == want
+    assert small.llm_engine.scheduler.num_preemptions > 0 and small.expert_stats()["misses"] > 0
+    assert small.llm_engine.kv_cache.num_free_blocks == small.llm_engine.kv_cache.num_blocks
+    spec = LLM(vl_dir, dtype="float32", max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    prompts = [o.prompt_token_ids for o in vl_llm.generate(cases, SamplingParams(max_tokens=1))]
+    engine = spec.llm_engine
+    engine.proposer = ScriptedProposer(list(zip(prompts, want)), lambda i, n: (i + n) % 4, engine.model_config.vocab_size)
+    assert [o.outputs[0].token_ids for o in spec.generate(cases, params)] == want
+    assert spec.spec_decode_stats()["num_accepted_tokens"] > 0

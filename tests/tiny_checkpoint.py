@@ -40,6 +40,11 @@ VL_PREPROCESSOR = dict(
     temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     size={"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
 )
+# Qwen3-VL's video preprocessing scaled the same way (video_preprocessor_config.json).
+VL_VIDEO_PREPROCESSOR = dict(
+    video_processor_type="Qwen3VLVideoProcessor", patch_size=8, merge_size=2, temporal_patch_size=2,
+    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], size={"shortest_edge": 2 * 16 * 16, "longest_edge": 4 * 48 * 48},
+)
 # Qwen-VL's chat template shape: image and video content parts become vision placeholders.
 VL_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -127,7 +132,7 @@ def _copy_tokenizer(tok_dir: str, out_dir: str) -> None:
 
 
 def _add_vision_tokens(out_dir: str) -> None:
-    """The multimodal fixture's tokenizer (vision tokens added), chat template and preprocessor config."""
+    """The multimodal fixture's tokenizer (vision tokens added), chat template and preprocessor configs."""
     import json
 
     from transformers import AutoTokenizer
@@ -139,6 +144,8 @@ def _add_vision_tokens(out_dir: str) -> None:
     tok.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
         json.dump(VL_PREPROCESSOR, f, indent=2)
+    with open(os.path.join(out_dir, "video_preprocessor_config.json"), "w") as f:
+        json.dump(VL_VIDEO_PREPROCESSOR, f, indent=2)
 
 
 if __name__ == "__main__":

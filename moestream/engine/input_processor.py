@@ -77,8 +77,8 @@ class InputProcessor:
         tokenized (with special tokens unless `add_special_tokens=False`, as for chat
         prompts whose template writes them); {"prompt_token_ids": [...]} or a list of ints
         is taken as is; {"prompt": str} is tokenized. A dict may carry vLLM's
-        `multi_modal_data` ({"image": PIL image or list}): each image placeholder is
-        expanded to the image's tokens (`MultiModalProcessor.process`). Length is checked
+        `multi_modal_data` ({"image": PIL image or list, "video": frames or list}): each
+        placeholder is expanded to the item's tokens (`MultiModalProcessor.process`). Length is checked
         before anything else, so an over-long input costs no tokenization and no scan of
         its ids; a multimodal prompt is checked again once expanded.
 
@@ -126,7 +126,7 @@ class InputProcessor:
         elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             if self.mm_processor is None:
                 raise ValueError("this model takes no images (its checkpoint has no vision tower); send text only")
-            ids, mm = self.mm_processor.process(ids, prompt["multi_modal_data"])
+            ids, mm = self.mm_processor.process(ids, prompt["multi_modal_data"], self.tokenizer)
             if mm is not None:
                 self._check_length(len(ids), f"{len(ids)} tokens with its images")
         return text, ids, mm

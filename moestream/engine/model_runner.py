@@ -262,7 +262,7 @@ class ModelRunner:
         """
         dev, bs = self.device, self.block_size
         embed = self.model.model.embed_tokens
-        rows, ids, positions, slots, tables, qsl, seq_lens, spans = [], [], [], [], [], [0], [], []
+        rows, ids, slots, tables, qsl, seq_lens, spans = [], [], [], [], [0], [], []
         last_row: dict[int, int] = {}  # request index -> its last row in the MTP batch
         for i, req in enumerate(requests):
             start, row0 = self._last_rows[req.request_id]
@@ -272,7 +272,6 @@ class ModelRunner:
             table = coordinator.block_table(req.request_id)
             rows.extend(row0 + p - start for p in valid)
             ids.extend(req.token_ids[p + 1] for p in valid)
-            positions.extend(valid)
             spans.append((req, valid.start, valid.stop))
             slots.extend(table[p // bs] * bs + p % bs for p in valid)
             tables.append(table)

@@ -9,10 +9,11 @@ import torch
 
 @dataclass(frozen=True, eq=False)
 class MultiModalItem:
-    """One image of a prompt, preprocessed.
+    """One image, or one frame group of a video (`temporal_patch_size` frames), of a prompt,
+    preprocessed; its placeholder tokens are contiguous.
 
     Attributes:
-        modality: "image".
+        modality: "image" or "video".
         offset: index in the prompt's token ids of its first placeholder token.
         length: its placeholder tokens, one per vision embedding: t * h * w / merge**2.
         grid_thw: (t, h, w) patches (HF's `image_grid_thw` row).
@@ -20,6 +21,7 @@ class MultiModalItem:
             `pixel_values` rows of this image.
         hash: sha256 of the modality, grid and pixel values (32 bytes): equal images, equal
             hashes; it enters the prefix-cache hash of every block its tokens fall in.
+            (A video's timestamps are text tokens, hashed as such.)
     """
 
     modality: str
@@ -37,10 +39,10 @@ class MultiModalItem:
 
 @dataclass(frozen=True, eq=False)
 class MultiModalInputs:
-    """A multimodal prompt's images and positions.
+    """A multimodal prompt's images / video frame groups and positions.
 
     Attributes:
-        items: its images in prompt order (placeholders already expanded).
+        items: its images and video frame groups in prompt order (placeholders already expanded).
         mrope_positions: [3, P] int64 (CPU): temporal, height, width position of each
             prompt token (HF `get_rope_index`).
         mrope_delta: max position + 1 - P; token p >= P (output, drafts) sits at position

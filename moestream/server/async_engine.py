@@ -288,10 +288,13 @@ class AsyncLLMEngine:
         Raises:
             ValueError: a prompt the input processor rejects.
         """
-        out = []
+        out: list[dict] = []
+        seen: dict[int, dict] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:
-            text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
-            out.append({"prompt": text, "prompt_token_ids": ids, "mm_inputs": mm})
+            if id(prompt) not in seen:
+                text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
+                seen[id(prompt)] = {"prompt": text, "prompt_token_ids": ids, "mm_inputs": mm}
+            out.append(seen[id(prompt)])
         return out
 
     def abort(self, stream: RequestStream) -> None:

@@ -82,6 +82,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--state-checkpoint-host-bytes", type=int, default=1 << 30,
                    help="prefix caching: bytes of host memory for state checkpoints moved off the device "
                         "(default: 1073741824; 0 drops them instead)")
+    m = p.add_argument_group("multimodal models (Qwen3.5-MoE with a vision tower)")
+    m.add_argument("--limit-mm-per-prompt", type=_json_object, default=None, metavar="JSON",
+                   help='most items per prompt by modality, e.g. \'{"image": 4, "video": 1}\' (default: 16 images, '
+                        '1 video)')
+    m.add_argument("--max-image-pixels", type=int, default=8192 * 8192, metavar="PIXELS",
+                   help="larger input images or video frames (width x height) are refused (default: 67108864, "
+                        "8192 x 8192)")
     d = p.add_argument_group("sampling defaults")
     d.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="where defaults for sampling fields a request leaves unset come from: auto = the model's "
@@ -139,8 +146,8 @@ def _json_object(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from e
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"method\": \"ngram\", "
-                                         f"\"num_speculative_tokens\": 3}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"image\": 4}}' or "
+                                         f"'{{\"method\": \"ngram\"}}', got {text!r}")
     return value
 
 
@@ -164,7 +171,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 state_checkpoint_interval=args.state_checkpoint_interval,
                 max_state_checkpoints=args.max_state_checkpoints,
                 state_checkpoint_host_bytes=args.state_checkpoint_host_bytes,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
+                max_image_pixels=args.max_image_pixels)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "for their first token (default: 1024)")
     srv.add_argument("--max-request-body-bytes", type=int, default=10 << 20,
                      help="answer 413 to larger request bodies (default: 10485760)")
+    srv.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="HOST",
+                     help="hosts whose http(s) image URLs the server may fetch (default: none; images come inline "
+                          "as data: URLs)")
+    srv.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                     help="directory whose files file:// image URLs may name (default: no local files)")
     srv.add_argument("--threads", type=parse_threads, default="auto", metavar="N|auto",
                      help="torch threads of the engine (intra-op); auto: on CPU the cores available less one for the "
                           "HTTP event loop, at least 1; torch's default on an accelerator (default: auto)")
@@ -360,7 +373,9 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
-                              engine_threads=threads, enable_log_requests=args.enable_log_requests)
+                              engine_threads=threads, enable_log_requests=args.enable_log_requests,
+                              allowed_media_domains=tuple(args.allowed_media_domains),
+                              allowed_local_media_path=args.allowed_local_media_path)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -131,17 +131,34 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextContentPart(_Request):
-    """A text part of a chat message's content (the only part type supported)."""
+    """A text part of a chat message's content."""
 
     type: Literal["text"]
     text: str
 
 
+class ImageURL(_Request):
+    """OpenAI's `image_url` object: a data: URL (or, where the server allows, http(s) or file)."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContentPart(_Request):
+    """An image part of a chat message's content (multimodal models only)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class ChatMessage(_Request):
-    """One chat message; `content` is a string or a list of text parts."""
+    """One chat message; `content` is a string or a list of text and image parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

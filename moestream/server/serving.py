@@ -38,6 +38,10 @@ class ServerConfig:
             (`default_engine_threads`).
         enable_log_requests: log one line per HTTP request (method, path, status, request id,
             prompt and output token counts, latency), as vLLM's `--enable-log-requests`.
+        allowed_media_domains: multimodal models: hosts whose http(s) image URLs may be
+            fetched (vLLM's flag); empty (default) = the server fetches nothing.
+        allowed_local_media_path: multimodal models: directory whose files `file://` image
+            URLs may name (vLLM's flag); None (default) = no local files.
     """
 
     served_model_names: tuple[str, ...]
@@ -47,6 +51,8 @@ class ServerConfig:
     chat_template: str | None = None
     engine_threads: int | None = None
     enable_log_requests: bool = False
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.engine_threads is not None and self.engine_threads < 1:

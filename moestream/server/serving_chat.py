@@ -3,6 +3,7 @@ the server's --chat-template) over the messages, n choices, answered whole or st
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -20,9 +21,11 @@ from moestream.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    ImageContentPart,
     TopLogprob,
     random_id,
 )
+from moestream.server.media import MediaPolicy, load_image
 from moestream.server.serving import APIError, OpenAIServing, sse, top_logprobs, usage
 
 
@@ -44,12 +47,15 @@ def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
 class OpenAIServingChat(OpenAIServing):
     """The chat completion endpoint."""
 
-    def render(self, req: ChatCompletionRequest) -> str:
-        """The prompt text: the chat template applied to the messages.
+    def render(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
+        """The prompt text (the chat template applied to the messages, each image part given
+        to it as {"type": "image"}, which Qwen-VL templates turn into a vision placeholder)
+        and the image parts in order, as (where, url).
 
         Raises:
-            APIError: 400 when there is no chat template, or the template rejects the
-                messages (e.g. roles that do not alternate).
+            APIError: 400 when there is no chat template, the template rejects the messages
+                (e.g. roles that do not alternate), or images are sent to a model that takes
+                none or more than its per-prompt limit.
         """
         tokenizer = self.engine.tokenizer
         template = self.config.chat_template
@@ -57,13 +63,34 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions, or start the "
                                 "server with --chat-template.", param="messages")
         messages = []
-        for m in req.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else "\n".join(
-                part.text for part in m.content)
-            message = {"role": m.role, "content": content or ""}
+        images: list[tuple[str, str]] = []
+        for i, m in enumerate(req.messages):
+            content: str | list[dict]
+            if isinstance(m.content, str) or m.content is None:
+                content = m.content or ""
+            elif not any(isinstance(part, ImageContentPart) for part in m.content):
+                content = "\n".join(part.text for part in m.content)  # type: ignore[union-attr]
+            else:
+                content = []
+                for j, part in enumerate(m.content):
+                    if isinstance(part, ImageContentPart):
+                        images.append((f"messages[{i}].content[{j}]", part.image_url.url))
+                        content.append({"type": "image"})
+                    else:
+                        content.append({"type": "text", "text": part.text})
+            message = {"role": m.role, "content": content}
             if m.name is not None:
                 message["name"] = m.name
             messages.append(message)
+        if images:
+            mm = self.engine.engine.mm_processor
+            if mm is None:
+                raise APIError(400, "This model takes no images (its checkpoint has no vision tower); send text only.",
+                               param=images[0][0])
+            limit = mm.limit_per_prompt["image"]
+            if len(images) > limit:
+                raise APIError(400, f"The messages have {len(images)} images, over the limit of {limit} per prompt "
+                                    "(--limit-mm-per-prompt).", param=images[limit][0])
         try:
             prompt = tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
@@ -73,7 +100,32 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, f"The chat template could not be applied to the messages: {e}", param="messages") from None
         if not isinstance(prompt, str):
             raise APIError(400, "The chat template did not render to text.", param="messages")
-        return prompt
+        return prompt, images
+
+    def load_images(self, images: list[tuple[str, str]]) -> list:
+        """Decoded PIL images of the (where, url) parts, each checked against the pixel limit
+        before its pixels are decoded. Blocking (fetches, decoding): run it off the event loop.
+
+        Raises:
+            APIError: 400 naming the part: a malformed or refused URL, data that is not an
+                image, or an image over the pixel limit.
+        """
+        policy = MediaPolicy(self.config.allowed_media_domains, self.config.allowed_local_media_path,
+                             self.config.max_request_body_bytes)
+        mm = self.engine.engine.mm_processor
+        out = []
+        for where, url in images:
+            try:
+                image = load_image(url, policy, where)
+                mm.check_image(image, where)
+            except ValueError as e:
+                raise APIError(400, str(e), param=where) from None
+            try:
+                image.load()  # decoded here, so that a corrupt image is named by its part
+            except Exception as e:  # Pillow: OSError (truncated), SyntaxError, ValueError, ...
+                raise APIError(400, f"{where} cannot be decoded: {' '.join(str(e).split())}", param=where) from None
+            out.append(image)
+        return out
 
     async def create(self, req: ChatCompletionRequest) -> tuple[RequestStream, str]:
         """Queue the n choices (engine request ids `<id>-<i>`); returns their stream and the
@@ -83,7 +135,11 @@ class OpenAIServingChat(OpenAIServing):
             APIError: 404 unknown model, 400 bad value or messages, 503 overloaded.
         """
         self.check_model(req.model)
-        prompt = self.render(req)
+        text, image_parts = self.render(req)
+        prompt: str | dict = text
+        if image_parts:  # URLs may be fetched (when allowed): off the event loop
+            images = await asyncio.to_thread(self.load_images, image_parts)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}}
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = [self.sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
