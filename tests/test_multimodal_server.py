@@ -8,6 +8,7 @@ import base64
 import http.server
 import io
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -47,11 +48,25 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def image_host() -> Iterator[str]:
-    """A local HTTP server with /a.png (IMAGES[1]) and /bad.png (not an image); yields its base URL."""
+    """A local HTTP server with /a.png (IMAGES[1]), /bad.png (not an image), /away (a redirect to
+    localhost, another host name) and /slow (a byte every 0.3 s); yields its base URL."""
     body = {"/a.png": png(IMAGES[1]), "/bad.png": b"not an image"}
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/a.png")
+                self.end_headers()
+                return
+            if self.path == "/slow":
+                self.send_response(200)
+                self.end_headers()
+                for b in png(IMAGES[1])[:20]:
+                    self.wfile.write(bytes([b]))
+                    self.wfile.flush()
+                    time.sleep(0.3)
+                return
             data = body.get(self.path)
             self.send_response(200 if data else 404)
             self.end_headers()
@@ -126,14 +141,19 @@ def test_allowed_remote_and_local_images(vl_server: LiveServer, vl_dir: str, ima
 @pytest.mark.parametrize("parts, param, message", [
     ([image_part("data:image/png;base64,@@@")], "messages[0].content[0]", "base64 payload is malformed"),
     ([{"type": "text", "text": "x"}, image_part("data:image/png;base64," + base64.b64encode(b"text").decode())],
-     "messages[0].content[1]", "not an image Pillow can read"),
+     "messages[0].content[1]", "messages[0].content[1] is not an image Pillow can read (PNG, JPEG"),
     ([image_part("data:text/plain;base64,aGk=")], "messages[0].content[0]", "data:image/png;base64"),
     ([image_part("https://example.com/cat.png")], "messages[0].content[0]", "--allowed-media-domains example.com"),
     ([image_part("http://127.0.0.1:1/none.png")], "messages[0].content[0]", "fetching the image failed"),
     ([image_part("file:///etc/passwd")], "messages[0].content[0]", "outside --allowed-local-media-path"),
-    ([image_part("ftp://x/y.png")], "messages[0].content[0]", "unsupported image URL scheme 'ftp'"),
+    ([image_part("ftp://x/y.png")], "messages[0].content[0]", "unsupported image URL 'ftp://x/y.png'"),
     ([image_part(data_url(IMAGES[0]))] * 3, "messages[0].content[2]", "over the limit of 2 per prompt"),
     ([image_part(data_url(Image.new("RGB", (300, 300))))], "messages[0].content[0]", "over the limit of 40000"),
+    ([{"type": "text", "text": "x"}, image_part(data_url(Image.new("RGB", (1, 201))))], "messages[0].content[1]",
+     "aspect ratio is over 200"),
+    ([image_part("DATA:IMAGE/PNG;BASE64,@@")], "messages[0].content[0]", "base64 payload is malformed"),
+    ([image_part("file://otherhost/etc/passwd")], "messages[0].content[0]", "got host 'otherhost'"),
+    ([image_part("cat.png")], "messages[0].content[0]", "unsupported image URL 'cat.png'"),
     ([image_part("data:image/png;base64," + base64.b64encode(png(IMAGES[0])[:120]).decode())],
      "messages[0].content[0]", "messages[0].content[0] cannot be decoded"),
 ])
@@ -147,12 +167,20 @@ def test_bad_images_are_400s(vl_server: LiveServer, parts: list[dict], param: st
     assert ok.status_code == 200
 
 
-def test_remote_body_that_is_not_an_image(vl_server: LiveServer, image_host: str) -> None:
-    r = chat(vl_server, [image_part(image_host + "/bad.png")])
-    assert r.status_code == 400 and "not an image Pillow can read" in r.json()["error"]["message"], r.text
-    r = chat(vl_server, [image_part(image_host + "/missing.png")])
-    assert r.status_code == 400 and "fetching the image failed" in r.json()["error"]["message"], r.text
+def test_remote_fetch_errors(vl_server: LiveServer, image_host: str) -> None:
+    """A body that is not an image, a 404 and a redirect to a host not allowed are 400s; a host
+    trickling bytes is cut off at the fetch deadline (whole body, not per read)."""
+    from moestream.server.media import MediaError, MediaPolicy, read_image_bytes
+
+    for path, message in (("/bad.png", "not an image Pillow can read"), ("/missing.png", "fetching the image failed"),
+                          ("/away", "messages[0].content[0]: the image URL redirects to 'localhost', which is not")):
+        r = chat(vl_server, [image_part(image_host + path)])
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (path, r.text)
     vl_server.wait_idle()
+    start = time.monotonic()
+    with pytest.raises(MediaError, match="fetching the image took over 1 s"):
+        read_image_bytes(image_host + "/slow", MediaPolicy(("127.0.0.1",), fetch_timeout_s=1.0), "image")
+    assert time.monotonic() - start < 5  # the whole body takes 6 s to arrive
 
 
 def test_text_model_refuses_images(live_server: LiveServer) -> None:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 # Input images larger than this are refused (decoding them costs memory before any resize).
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
+# Longest side / shortest side of an image at most (transformers' smart_resize refuses more).
+MAX_ASPECT_RATIO = 200
 # Items per prompt unless `limit_mm_per_prompt` says otherwise.
 DEFAULT_IMAGES_PER_PROMPT = 16
 DEFAULT_VIDEOS_PER_PROMPT = 1
@@ -151,8 +153,9 @@ class MultiModalProcessor:
         """Refuse what is not an image or is too large, before its pixels are decoded.
 
         Raises:
-            ValueError: not a PIL image, or more than `max_image_pixels` pixels; the message
-                starts with `where` (which image).
+            ValueError: not a PIL image, more than `max_image_pixels` pixels, or an aspect
+                ratio over 200 (HF's `smart_resize` limit); the message starts with `where`
+                (which image).
         """
         from PIL import Image
 
@@ -164,6 +167,9 @@ class MultiModalProcessor:
                              "send a smaller image")
         if w < 1 or h < 1:
             raise ValueError(f"{where} is empty ({w} x {h} pixels)")
+        if max(w, h) / min(w, h) > MAX_ASPECT_RATIO:
+            raise ValueError(f"{where} is {w} x {h} pixels: its aspect ratio is over {MAX_ASPECT_RATIO}, the most the "
+                             "image processor takes; crop or pad it")
 
     def _preprocess(self, image: Any, where: str) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """pixel_values [t*h*w, C*tp*p*p] float32 and the (t, h, w) grid of one image."""

@@ -70,23 +70,47 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=error.status, headers=headers)
 
 
+# pydantic's labels of a union's plain-type branches in error locations (no field has these names).
+_BRANCH_LABELS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """pydantic's error location as a JSON path: ("body", "messages", 0, "content", "list[...]",
+    1, "image_url", "image_url", "url") -> "messages[0].content[1].image_url.url" (union branch
+    labels and a tagged union's tag, which repeats the part's first field, left out)."""
+    path = ""
+    previous: Any = None
+    for x in loc:
+        if x == "body" or (isinstance(x, str) and ("[" in x or x in _BRANCH_LABELS)):
+            continue
+        if isinstance(x, int):
+            path += f"[{x}]"
+        elif x != previous:
+            path += ("." if path else "") + x
+        previous = x
+    return path
+
+
 def validation_error(errors: Sequence[Any]) -> APIError:
-    """A 400 naming the first offending field (e.g. "temperature: Input should be ...") of
-    pydantic's `errors()`."""
+    """A 400 naming the most specific offending field (e.g. "temperature: Input should be ..."
+    or "messages[0].content[1].image_url.url: Field required") of pydantic's `errors()`: of a
+    union's branches, the error that went deepest."""
     if not errors:
         return APIError(400, "Invalid request body.")
-    first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, ParamError):
         return APIError(400, str(cause), param=cause.param)
-    param = loc[0] if loc else None
-    where = ".".join(loc) if loc else "body"
-    # pydantic prefixes the messages of our own validators with "Value error, ".
-    message = f"{where}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
+    path = _field_path(first.get("loc", ()))
+    if first.get("type") == "union_tag_invalid":
+        message = f"{path}: unsupported content part type {first['ctx'].get('tag')!r}; use " \
+                  f"{first['ctx'].get('expected_tags')}"
+    else:
+        # pydantic prefixes the messages of our own validators with "Value error, ".
+        message = f"{path or 'body'}: {str(first.get('msg', 'invalid value')).removeprefix('Value error, ')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return APIError(400, message, param=param)
+    return APIError(400, message, param=path or None)
 
 
 class _GuardMiddleware:
@@ -347,6 +371,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             yield
         finally:
             await async_engine.shutdown()
+            chat.close()
 
     app = FastAPI(title="moestream", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

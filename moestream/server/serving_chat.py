@@ -4,13 +4,15 @@ the server's --chat-template) over the messages, n choices, answered whole or st
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import jinja2
 
 from moestream.outputs import RequestOutput
-from moestream.server.async_engine import RequestStream
+from moestream.server.async_engine import AsyncLLMEngine, RequestStream
 from moestream.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -25,8 +27,12 @@ from moestream.server.protocol import (
     TopLogprob,
     random_id,
 )
-from moestream.server.media import MediaPolicy, load_image
-from moestream.server.serving import APIError, OpenAIServing, sse, top_logprobs, usage
+from moestream.server.media import MediaPolicy, open_image, read_image_bytes, url_scheme
+from moestream.server.serving import APIError, OpenAIServing, ServerConfig, sse, top_logprobs, usage
+
+# Threads decoding images, and threads fetching remote ones (--allowed-media-domains).
+MEDIA_THREADS = 4
+FETCH_THREADS = 8
 
 
 def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
@@ -45,7 +51,13 @@ def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat completion endpoint."""
+    """The chat completion endpoint. Images of `image_url` parts are read and decoded on two
+    bounded thread pools (remote fetches, decoding), off the event loop."""
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig) -> None:
+        super().__init__(engine, config)
+        self._media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="moestream-media")
+        self._fetch_pool = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="moestream-fetch")
 
     def render(self, req: ChatCompletionRequest) -> tuple[str, list[tuple[str, str]]]:
         """The prompt text (the chat template applied to the messages, each image part given
@@ -102,30 +114,48 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "The chat template did not render to text.", param="messages")
         return prompt, images
 
-    def load_images(self, images: list[tuple[str, str]]) -> list:
-        """Decoded PIL images of the (where, url) parts, each checked against the pixel limit
-        before its pixels are decoded. Blocking (fetches, decoding): run it off the event loop.
+    async def load_images(self, images: list[tuple[str, str]]) -> list:
+        """Decoded PIL images of the (where, url) parts, each checked (pixels, aspect ratio)
+        before its pixels are decoded. Remote fetches run on their own bounded thread pool,
+        decoding on another, so a slow image host never holds up inline images.
 
         Raises:
             APIError: 400 naming the part: a malformed or refused URL, data that is not an
-                image, or an image over the pixel limit.
+                image, or an image over the pixel limit or too thin.
         """
         policy = MediaPolicy(self.config.allowed_media_domains, self.config.allowed_local_media_path,
                              self.config.max_request_body_bytes)
-        mm = self.engine.engine.mm_processor
+        loop = asyncio.get_running_loop()
         out = []
         for where, url in images:
+            remote = url_scheme(url) in ("http", "https")
             try:
-                image = load_image(url, policy, where)
-                mm.check_image(image, where)
+                data = await loop.run_in_executor(self._fetch_pool if remote else self._media_pool, read_image_bytes,
+                                                  url, policy, where)
+                out.append(await loop.run_in_executor(self._media_pool, self._decode, data, where))
             except ValueError as e:
                 raise APIError(400, str(e), param=where) from None
-            try:
-                image.load()  # decoded here, so that a corrupt image is named by its part
-            except Exception as e:  # Pillow: OSError (truncated), SyntaxError, ValueError, ...
-                raise APIError(400, f"{where} cannot be decoded: {' '.join(str(e).split())}", param=where) from None
-            out.append(image)
         return out
+
+    def _decode(self, data: bytes, where: str) -> Any:
+        """(media thread) open, check against the model's limits, decode.
+
+        Raises:
+            ValueError: see `open_image` and `MultiModalProcessor.check_image`, or pixels
+                that cannot be decoded.
+        """
+        image = open_image(data, where)
+        self.engine.engine.mm_processor.check_image(image, where)
+        try:
+            image.load()  # decoded here, so that a corrupt image is named by its part
+        except Exception as e:  # Pillow: OSError (truncated), SyntaxError, ValueError, ...
+            raise ValueError(f"{where} cannot be decoded: {' '.join(str(e).split())}") from None
+        return image
+
+    def close(self) -> None:
+        """Stop the media thread pools (at shutdown)."""
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     async def create(self, req: ChatCompletionRequest) -> tuple[RequestStream, str]:
         """Queue the n choices (engine request ids `<id>-<i>`); returns their stream and the
@@ -138,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
         text, image_parts = self.render(req)
         prompt: str | dict = text
         if image_parts:  # URLs may be fetched (when allowed): off the event loop
-            images = await asyncio.to_thread(self.load_images, image_parts)
+            images = await self.load_images(image_parts)
             prompt = {"prompt": text, "multi_modal_data": {"image": images}}
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
