@@ -7,6 +7,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health
 field named), 401 (API key), 404 (model or route), 405, 413 (body too large), 503
 (too many waiting requests), and 500 only for a server fault, never for bad input.
 A client that disconnects or cancels has its engine requests aborted at once.
+
+The app answers from a `ServingBackend`: one engine in this process (`LocalBackend`, what
+`moestream serve` runs), or engine replicas on Ray Serve (`moestream.server.ray_serve`),
+with the same routes, models, errors and middleware.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import uvicorn
@@ -206,7 +210,7 @@ def log_request(scope: Scope, status: int, seconds: float) -> None:
                         status, rid, tokens, seconds)
 
 
-class _EventStreamResponse(StreamingResponse):
+class EventStreamResponse(StreamingResponse):
     """Server-sent events that stop as soon as the client disconnects (whatever the ASGI
     spec version), then call `on_close` however the response ended."""
 
@@ -330,7 +334,7 @@ async def parse_body(request: Request, model: type[BaseModel],
         raise APIError(400, "The body is nested too deeply.") from None
 
 
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Await `work`, cancelling it (and so aborting its engine requests) if the client
     disconnects first. Returns its result, or None after a disconnect."""
     task = asyncio.ensure_future(work)
@@ -353,30 +357,100 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
+class ServingBackend(Protocol):
+    """Where the app's routes are answered from: one engine in this process (`LocalBackend`),
+    or engine replicas on Ray Serve (`moestream.server.ray`)."""
+
+    max_model_len: int
+
+    async def start(self) -> None:
+        """At the app's start-up."""
+
+    async def stop(self) -> None:
+        """At the app's shutdown."""
+
+    def is_healthy(self) -> bool:
+        """False when no engine can serve (GET /health answers 503)."""
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus text of GET /metrics."""
+
+    async def answer(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        """The response to a validated generation request; `kind` is "completion" or "chat".
+
+        Raises:
+            APIError: answered in OpenAI's error shape.
+        """
+
+
+class LocalBackend:
+    """One `LLMEngine` in this process, stepped by its `AsyncLLMEngine` thread; `metrics` is
+    the app's registry (the engine's request metrics and the HTTP counters)."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.async_engine = AsyncLLMEngine(engine, metrics, num_threads=config.engine_threads)
+        metrics.bind(lambda: self.async_engine.snapshot, lambda: self.async_engine.num_queued)
+        self.metrics = metrics
+        self.max_model_len = engine.max_model_len
+        self.serving = {"completion": OpenAIServingCompletion(self.async_engine, config),
+                        "chat": OpenAIServingChat(self.async_engine, config)}
+
+    async def start(self) -> None:
+        self.async_engine.start()
+
+    async def stop(self) -> None:
+        await self.async_engine.shutdown()
+        self.serving["chat"].close()
+
+    def is_healthy(self) -> bool:
+        return self.async_engine.is_running
+
+    async def metrics_text(self) -> bytes:
+        return self.metrics.render()
+
+    async def answer(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
+        serving = self.serving[kind]
+        created = await until_disconnect(request, serving.create(req))
+        if created is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        stream, base = created
+        request.state.request_log = (base, stream, {rid: i // req.n for i, rid in enumerate(stream.request_ids)})
+        if req.stream:
+            return EventStreamResponse(serving.events(req, stream, base), lambda: self.async_engine.abort(stream))
+        result = await until_disconnect(request, serving.respond(req, stream, base))
+        if result is None:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump())
+
+
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `engine`. The engine thread starts and stops with the app's
     lifespan; the app has its own metrics registry (`app.state.metrics`) and its
     `AsyncLLMEngine` is `app.state.engine`."""
     metrics = ServerMetrics()
-    async_engine = AsyncLLMEngine(engine, metrics, num_threads=config.engine_threads)
-    metrics.bind(lambda: async_engine.snapshot, lambda: async_engine.num_queued)
-    completion = OpenAIServingCompletion(async_engine, config)
-    precheck = body_precheck(engine.max_model_len, config.max_waiting_requests)
-    chat = OpenAIServingChat(async_engine, config)
+    backend = LocalBackend(engine, config, metrics)
+    app = build_openai_app(backend, config, metrics)
+    app.state.engine = backend.async_engine
+    return app
+
+
+def build_openai_app(backend: ServingBackend, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    """The OpenAI-compatible app over `backend`: the routes, the error shape, the API key /
+    body-size / request-log middleware (HTTP counters into `metrics`, `app.state.metrics`)."""
+    precheck = body_precheck(backend.max_model_len, config.max_waiting_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        await backend.start()
         try:
             yield
         finally:
-            await async_engine.shutdown()
-            chat.close()
+            await backend.stop()
 
     app = FastAPI(title="moestream", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.backend = backend
     app.add_middleware(_GuardMiddleware, config=config, metrics=metrics)
 
     @app.exception_handler(APIError)
@@ -400,7 +474,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.is_running:
+        if not backend.is_healthy():
             return error_response(APIError(503, "The engine is not running.", type="server_error"))
         return Response(status_code=200)
 
@@ -410,37 +484,23 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        cards = [ModelCard(id=name, root=config.served_model_names[0], max_model_len=engine.max_model_len)
+        cards = [ModelCard(id=name, root=config.served_model_names[0], max_model_len=backend.max_model_len)
                  for name in config.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    async def answer(serving: OpenAIServingCompletion | OpenAIServingChat, req: CompletionRequest | ChatCompletionRequest,
-                     request: Request) -> Response:
-        created = await _until_disconnect(request, serving.create(req))
-        if created is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        stream, base = created
-        request.state.request_log = (base, stream, {rid: i // req.n for i, rid in enumerate(stream.request_ids)})
-        if req.stream:
-            return _EventStreamResponse(serving.events(req, stream, base), lambda: async_engine.abort(stream))
-        result = await _until_disconnect(request, serving.respond(req, stream, base))
-        if result is None:
-            return Response(status_code=499)
-        return JSONResponse(result.model_dump())
+        return Response(await backend.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
         """Body: CompletionRequest."""
-        return await answer(completion, await parse_body(request, CompletionRequest, precheck), request)
+        return await backend.answer("completion", await parse_body(request, CompletionRequest, precheck), request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         """Body: ChatCompletionRequest."""
-        return await answer(chat, await parse_body(request, ChatCompletionRequest, precheck), request)
+        return await backend.answer("chat", await parse_body(request, ChatCompletionRequest, precheck), request)
 
     return app
 

@@ -20,6 +20,8 @@ from moestream import __version__
 if TYPE_CHECKING:
     import uvicorn
 
+    from moestream.server.serving import ServerConfig
+
 DEMO_MODEL_NAME = "moestream-demo"
 
 logger = logging.getLogger(__name__)
@@ -220,6 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="uvicorn's log level (default: info)")
     add_engine_args(srv)
+    r = srv.add_argument_group("scale-out on Ray Serve (pip install -e \".[ray]\")")
+    r.add_argument("--ray", action="store_true",
+                   help="serve engine replicas on Ray Serve behind one OpenAI endpoint, routed by prefix-cache "
+                        "affinity (default: one engine in this process)")
+    r.add_argument("--num-replicas", type=int, default=1, help="engine replicas (default: 1)")
+    r.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="join this Ray cluster ('auto', or ray://HOST:10001); default: start a local one")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
+    r.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscaling: most replicas; setting it turns Ray Serve's autoscaler on (default: off)")
+    r.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="autoscaling: requests in flight per replica to aim for (default: 16)")
+    r.add_argument("--max-ongoing-requests", type=int, default=None,
+                   help="requests one replica takes at once; more wait or go to another replica "
+                        "(default: --max-num-seqs)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
     sim = sub.add_parser("trace-sim", add_help=False,
                          help="replay a routing trace against each eviction policy and Belady's optimum "
                               "(see `moestream trace-sim --help`)")
@@ -376,6 +394,8 @@ def _serve(args: argparse.Namespace) -> int:
                               engine_threads=threads, enable_log_requests=args.enable_log_requests,
                               allowed_media_domains=tuple(args.allowed_media_domains),
                               allowed_local_media_path=args.allowed_local_media_path)
+        if args.ray:
+            return _serve_ray(args, config)
         engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -387,6 +407,25 @@ def _serve(args: argparse.Namespace) -> int:
     server.run()
     engine.save_routing_trace()
     return 0
+
+
+def _serve_ray(args: argparse.Namespace, server_config: ServerConfig) -> int:
+    """`serve --ray`: the engine config checked here (and the model's config read), then the
+    replicas deployed on Ray Serve; blocks until interrupted.
+
+    Raises:
+        ValueError: a bad flag or model directory, or Ray is not installed.
+    """
+    from moestream.config import EngineConfig, ModelConfig
+    from moestream.server.ray_serve.deploy import RayConfig, serve_ray
+
+    engine_config = EngineConfig(**engine_kwargs(args))
+    max_model_len = engine_config.max_model_len or ModelConfig.from_hf(str(engine_config.model)).max_position_embeddings
+    ray_config = RayConfig(num_replicas=args.num_replicas, min_replicas=args.min_replicas,
+                           max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+                           max_ongoing_requests=args.max_ongoing_requests, num_cpus=args.replica_cpus,
+                           address=args.ray_address)
+    return serve_ray(engine_config, server_config, ray_config, max_model_len, args.host, args.port)
 
 
 if __name__ == "__main__":
