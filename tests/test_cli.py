@@ -71,9 +71,11 @@ def test_trace_sim_subcommand(tmp_path, capsys) -> None:
     RoutingTrace.from_accesses([(0, (1, 2)), (1, (0, 3)), (0, (1, 2)), (1, (3, 0))] * 5).save(path)
     assert main(["trace-sim", path, "--cache-sizes", "2,4", "--policies", "lru", "--jobs", "1"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert ["slots", "lru", "belady"] in rows
-    assert ["2", "0.0000", "0.0000"] in rows  # 2 slots, each access needs both: every key is evicted before reuse
-    assert ["4", "0.9000", "0.9000"] in rows  # 4 slots hold all 4 keys: only the 4 first accesses miss
+    assert ["slots", "policy", "hit", "rate", "misses", "x", "belady"] in rows
+    # 2 slots, each access needs both: every key is evicted before reuse (40 misses, as Belady)
+    assert ["2", "lru", "0.0000", "40", "1.000"] in rows and ["2", "belady", "0.0000", "40", "1.000"] in rows
+    # 4 slots hold all 4 keys: only the 4 first accesses miss
+    assert ["4", "lru", "0.9000", "4", "1.000"] in rows
 
 
 def test_generate_defaults_to_the_demo_model(capsys) -> None:

@@ -188,3 +188,8 @@ def test_text_model_refuses_images(live_server: LiveServer) -> None:
         "model": "tiny-qwen3-moe", "max_tokens": 2, "messages": [{"role": "user", "content": [
             image_part(data_url(IMAGES[0]))]}]})
     assert r.status_code == 400 and "takes no images" in r.json()["error"]["message"], r.text
+
+
+def test_allowed_local_media_path_must_exist(tmp_path) -> None:
+    with pytest.raises(ValueError, match="is not a directory"):
+        ServerConfig(served_model_names=(NAME,), allowed_local_media_path=str(tmp_path / "missing"))

@@ -15,18 +15,12 @@ from hypothesis import strategies as st
 from moestream import LLM, ModelConfig, SamplingParams
 from moestream.experts.policy import (
     POLICY_NAMES,
-    BeladyPolicy,
     EvictionPolicy,
     ExpertKey,
     make_policy,
 )
-from moestream.experts.trace import (
-    RoutingRecorder,
-    RoutingTrace,
-    future_of,
-    simulate,
-    trace_sim_main,
-)
+from moestream.experts.trace import RoutingRecorder, RoutingTrace
+from moestream.experts.trace_sim import BeladyPolicy, future_of, simulate, trace_sim_main
 
 # The first 60 prompts of ../shared/traces/deepseek_v2_lite_prompt_routing.npz (see fixtures/traces/README.md).
 DEEPSEEK_TRACE = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "deepseek_v2_lite_first60.npz")
@@ -180,16 +174,36 @@ def test_policies_below_belady_on_real_trace() -> None:
         assert best > 0
 
 
+def _table(out: list[str]) -> dict[tuple[int, str], tuple[float, int, float]]:
+    """(slots, policy) -> (hit rate, misses, misses / Belady's) of trace-sim's table."""
+    rows = {}
+    for line in out:
+        cap, name, rate, misses, ratio = line.split()
+        rows[(int(cap), name)] = (float(rate), int(misses), float(ratio))
+    return rows
+
+
 def test_trace_sim_main_table(tmp_path, capsys) -> None:
+    """One row per (size, policy): hit rate, misses and the miss ratio to Belady, which equal
+    a direct `simulate` of each."""
     path = str(tmp_path / "t.npz")
-    RoutingTrace.from_accesses([(i % 3, (i % 5, (i + 1) % 5 + 5)) for i in range(200)]).save(path)
+    accesses = [(i % 3, (i % 5, (i + 1) % 5 + 5)) for i in range(200)]
+    RoutingTrace.from_accesses(accesses).save(path)
     assert trace_sim_main([path, "--cache-sizes", "4,0.5", "--jobs", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["slots", "lru", "lfu", "activation", "belady"]
-    assert [line.split()[0] for line in out[2:]] == ["4", "15"]  # 0.5 of 30 distinct keys
-    assert all(0.0 <= float(x) <= 1.0 for line in out[2:] for x in line.split()[1:])
+    assert out[1].split() == ["slots", "policy", "hit", "rate", "misses", "x", "belady"]
+    rows = _table(out[2:])
+    assert sorted({cap for cap, _ in rows}) == [4, 15]  # 0.5 of 30 distinct keys
+    trace = RoutingTrace.from_accesses(accesses)
+    for cap in (4, 15):
+        best = simulate(trace, BeladyPolicy(future_of(trace)), cap)
+        assert rows[(cap, "belady")] == (round(best.hit_rate, 4), best.misses, 1.0)
+        for name in POLICY_NAMES:
+            r = simulate(trace, make_policy(name), cap)
+            assert rows[(cap, name)] == (round(r.hit_rate, 4), r.misses, round(r.misses / best.misses, 3))
+            assert rows[(cap, name)][2] >= 1.0
     assert trace_sim_main([path, "--cache-sizes", "6", "--policies", "lru", "--jobs", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[1].split() == ["slots", "lru", "belady"]
+    assert [k[1] for k in _table(capsys.readouterr().out.splitlines()[2:])] == ["lru", "belady"]
     with pytest.raises(SystemExit):
         trace_sim_main([path, "--policies", "fifo"])
 
@@ -198,7 +212,20 @@ def test_trace_sim_main_deepseek(capsys) -> None:
     args = [DEEPSEEK_TRACE, "--max-prompts", "2", "--interleave", "2", "--cache-sizes", "64", "--jobs", "1"]
     assert trace_sim_main(args) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("trace: ") and out[2].split()[0] == "64" and len(out) == 3
+    assert out[0].startswith("trace: ") and set(_table(out[2:])) == {(64, n) for n in (*POLICY_NAMES, "belady")}
+
+
+def test_serving_path_does_not_import_the_simulator() -> None:
+    """The trace format and recorder (imported by the engine) carry no simulator, argparse or
+    process pool: a fresh interpreter importing the engine has none of them loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, moestream.engine.llm_engine; "
+            "print(sorted(m for m in ('moestream.experts.trace_sim', 'argparse', 'concurrent.futures.process') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "moestream.experts.trace_sim" not in out and "concurrent.futures.process" not in out
 
 
 def test_hybrid_recording_with_fewer_state_slots_than_requests(hybrid_dir: str, tmp_path) -> None:

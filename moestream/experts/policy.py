@@ -10,7 +10,6 @@ use for recency: a prefetched key that was never accessed is as recent as its in
 from __future__ import annotations
 
 import heapq
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -26,7 +25,7 @@ def _as_set(candidates: Collection[ExpertKey]) -> Collection[ExpertKey]:
     return set(candidates) if isinstance(candidates, (list, tuple)) else candidates
 
 
-class _LazyHeap:
+class LazyHeap:
     """Min-heap over keys whose priorities change: an update pushes a new entry and stale
     entries are dropped when they reach the top (lazy deletion). Membership = 'has a priority'."""
 
@@ -71,7 +70,7 @@ def _no_candidate(policy: EvictionPolicy) -> ValueError:
     return ValueError(f"{policy.name}: no candidate is a key the policy saw inserted and not evicted")
 
 
-def _heap_victim(policy: EvictionPolicy, heap: _LazyHeap, candidates: Collection[ExpertKey]) -> ExpertKey:
+def heap_victim(policy: EvictionPolicy, heap: LazyHeap, candidates: Collection[ExpertKey]) -> ExpertKey:
     found = heap.min_where(_as_set(candidates).__contains__)
     if found is None:
         raise _no_candidate(policy)
@@ -158,7 +157,7 @@ class LFUPolicy(EvictionPolicy):
         self._inc = 1.0
         self._stamp: dict[ExpertKey, int] = {}
         self._clock = self._accesses = 0
-        self._heap = _LazyHeap()  # resident keys by (raw count, stamp)
+        self._heap = LazyHeap()  # resident keys by (raw count, stamp)
 
     def count(self, key: ExpertKey) -> float:
         """The key's decayed access count."""
@@ -189,7 +188,7 @@ class LFUPolicy(EvictionPolicy):
         self._heap.discard(key)
 
     def victim(self, candidates: Collection[ExpertKey], current_layer: int) -> ExpertKey:
-        return _heap_victim(self, self._heap, candidates)
+        return heap_victim(self, self._heap, candidates)
 
 
 class ActivationAwarePolicy(EvictionPolicy):
@@ -224,7 +223,7 @@ class ActivationAwarePolicy(EvictionPolicy):
         self._stamp: dict[ExpertKey, int] = {}
         self._clock = 0
         self._num_layers = 0
-        self._heaps: dict[int, _LazyHeap] = {}  # per layer: resident keys by (raw score, stamp)
+        self._heaps: dict[int, LazyHeap] = {}  # per layer: resident keys by (raw score, stamp)
         self._tops: dict[int, tuple[float, int, ExpertKey]] = {}  # per layer: (score, stamp, key) of its heap top
         self._dirty: set[int] = set()  # layers whose cached top is out of date
 
@@ -239,7 +238,7 @@ class ActivationAwarePolicy(EvictionPolicy):
             self._num_layers = layer + 1
         raw = self._raw[key] = self._raw.get(key, 0.0) + amount * self._inc.setdefault(layer, 1.0)
         if resident:
-            self._heaps.setdefault(layer, _LazyHeap()).set(key, (raw, self._stamp.get(key, 0)))
+            self._heaps.setdefault(layer, LazyHeap()).set(key, (raw, self._stamp.get(key, 0)))
             self._dirty.add(layer)
 
     def _resident(self, key: ExpertKey) -> bool:
@@ -252,7 +251,7 @@ class ActivationAwarePolicy(EvictionPolicy):
         if inc > _RENORM:
             for k in [k for k in self._raw if k[0] == layer]:
                 self._raw[k] /= inc
-            for k in self._heaps.get(layer, _LazyHeap()).members():
+            for k in self._heaps.get(layer, LazyHeap()).members():
                 self._set(k, 0.0, True)
             inc = 1.0
         self._inc[layer] = inc
@@ -302,67 +301,17 @@ class ActivationAwarePolicy(EvictionPolicy):
         raise _no_candidate(self)
 
 
-class BeladyPolicy(EvictionPolicy):
-    """Belady's MIN (Belady 1966, "A study of replacement algorithms for a virtual-storage
-    computer"): the offline optimum. Told the exact future sequence of `on_access` keys, it
-    evicts the candidate whose next access is furthest away (never again = infinity; ties
-    broken by smallest key).
-
-    Next uses are precomputed in one backward pass (O(N)); a lazy max-heap of resident keys by
-    next use gives the victim.
-
-    Raises:
-        ValueError: from `on_access`, when the key differs from the next one in `future` or the
-            future is exhausted.
-    """
-
-    name = "belady"
-
-    def __init__(self, future: Sequence[ExpertKey]) -> None:
-        self._future = future
-        n = self._never = len(future)
-        self._next = array("q", bytes(8 * n))  # next index of the same key after i, or n
-        upcoming: dict[ExpertKey, int] = {}
-        for i in range(n - 1, -1, -1):
-            key = future[i]
-            self._next[i] = upcoming.get(key, n)
-            upcoming[key] = i
-        self._upcoming = upcoming  # key -> its next access index >= the current position
-        self._pos = 0
-        self._heap = _LazyHeap()  # resident keys by -next use
-
-    def on_access(self, key: ExpertKey) -> None:
-        pos = self._pos
-        if pos >= self._never or self._future[pos] != key:
-            expected = self._future[pos] if pos < self._never else "end of future"
-            raise ValueError(f"belady: access {pos} is {key}, the future says {expected}")
-        nxt = self._next[pos]
-        self._upcoming[key] = nxt
-        self._pos = pos + 1
-        if key in self._heap:
-            self._heap.set(key, -nxt)
-
-    def on_insert(self, key: ExpertKey) -> None:
-        self._heap.set(key, -self._upcoming.get(key, self._never))
-
-    def on_evict(self, key: ExpertKey) -> None:
-        self._heap.discard(key)
-
-    def victim(self, candidates: Collection[ExpertKey], current_layer: int) -> ExpertKey:
-        return _heap_victim(self, self._heap, candidates)
-
-
 POLICY_NAMES = ("lru", "lfu", "activation")
 
 
 def make_policy(name: str, **kw: Any) -> EvictionPolicy:
-    """Build a policy by name ("lru", "lfu", "activation", or "belady" with future=...);
-    keyword arguments go to its constructor.
+    """Build an online policy by name ("lru", "lfu", "activation"); keyword arguments go to
+    its constructor. (Belady's offline optimum is `trace_sim.BeladyPolicy`.)
 
     Raises:
         ValueError: unknown name (the message lists the valid ones).
     """
-    classes = {"lru": LRUPolicy, "lfu": LFUPolicy, "activation": ActivationAwarePolicy, "belady": BeladyPolicy}
+    classes = {"lru": LRUPolicy, "lfu": LFUPolicy, "activation": ActivationAwarePolicy}
     if name not in classes:
         raise ValueError(f"unknown eviction policy {name!r}; valid: {', '.join(classes)}")
     return classes[name](**kw)

@@ -58,7 +58,7 @@ class PrefetchQueue:
 
 
 def start_prefetch_worker(store: PagedExpertStore, queue: PrefetchQueue) -> threading.Thread:
-    """Start a daemon thread that runs `store._prefetch_one(key)` for queued keys."""
+    """Start a daemon thread that runs `store.prefetch_one(key)` for queued keys."""
     ref = weakref.ref(store)
     thread = threading.Thread(target=_worker, args=(ref, queue), name="moestream-prefetch", daemon=True)
     thread.start()
@@ -80,7 +80,7 @@ def _worker(ref: weakref.ref, queue: PrefetchQueue) -> None:
         if store is None:
             return
         try:
-            store._prefetch_one(key)
+            store.prefetch_one(key)
         except Exception:  # never let the worker die silently: demand loads still work without it
             logger.exception("expert prefetch worker: loading %s failed", key)
         del store

@@ -229,7 +229,7 @@ class PagedExpertStore:
         self._slot_of[key] = slot
         self.policy.on_insert(key)
 
-    def _prefetch_one(self, key: ExpertKey) -> None:
+    def prefetch_one(self, key: ExpertKey) -> None:
         """Load one predicted expert (called by the prefetch worker)."""
         with self._queue.lock:
             if key in self._slot_of or key in self._loading:

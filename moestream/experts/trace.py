@@ -1,5 +1,5 @@
-"""Routing traces: record which experts each layer asked for, save/load them, and replay them
-through an eviction policy to measure hit rates against Belady's optimum.
+"""Routing traces: the trace format (`RoutingTrace`, and the DeepSeek prompt-routing loader)
+and the live `RoutingRecorder`. The offline replay against Belady's optimum is `trace_sim`.
 
 Trace file (our own `.npz`): `layer` [N] int16, `offsets` [N+1] int64, `experts` [M] int16;
 access i is layer `layer[i]` asking for `experts[offsets[i]:offsets[i+1]]`. Optional `request`
@@ -8,23 +8,10 @@ access i is layer `layer[i]` asking for `experts[offsets[i]:offsets[i+1]]`. Opti
 
 from __future__ import annotations
 
-import argparse
-import os
 from collections.abc import Iterable, Iterator, Sequence
-from collections.abc import Set as AbstractSet
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from moestream.experts.policy import (
-    POLICY_NAMES,
-    BeladyPolicy,
-    EvictionPolicy,
-    ExpertKey,
-    make_policy,
-)
 
 Access = tuple[int, tuple[int, ...]]  # (layer, expert ids)
 
@@ -196,144 +183,3 @@ class RoutingRecorder:
     def save(self, path: str, per_step: bool = False) -> None:
         """`to_trace(per_step).save(path)`."""
         self.to_trace(per_step).save(path)
-
-
-@dataclass(frozen=True)
-class SimResult:
-    """Replay outcome, counted per (layer, expert) key access."""
-
-    hits: int
-    misses: int
-    evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / max(1, self.hits + self.misses)
-
-
-class _Evictable(AbstractSet):
-    """Live view: resident keys minus pinned keys minus the current wave's keys."""
-
-    def __init__(self, resident: dict[ExpertKey, None], pinned: AbstractSet, wave: set[ExpertKey]) -> None:
-        self._resident, self._pinned, self._wave = resident, pinned, wave
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._resident and key not in self._pinned and key not in self._wave
-
-    def __iter__(self) -> Iterator[ExpertKey]:
-        return (k for k in self._resident if k not in self._pinned and k not in self._wave)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def simulate(trace: RoutingTrace, policy: EvictionPolicy, capacity: int,
-             pinned: AbstractSet[ExpertKey] = frozenset()) -> SimResult:
-    """Replay `trace` through `policy` on a pool of `capacity` slots shared by all layers, as
-    the paging store does. `pinned` keys are inserted first (sorted) and never evicted.
-
-    Per access (layer, experts): `policy.on_route(layer, experts, [1.0] * k)`; then per expert,
-    in order: `on_access`; hit if resident, else miss: when the pool is full, evict
-    `policy.victim(candidates, layer)` with candidates = resident - pinned - the current wave's
-    keys (`on_evict`), then insert (`on_insert`). An access fits in one wave (all its keys
-    protected) when it has at most W = capacity - len(pinned) distinct experts; otherwise it
-    runs in consecutive chunks of W experts, each chunk a wave protecting only its own keys.
-
-    Raises:
-        ValueError: capacity - len(pinned) < 1. RuntimeError: the policy chose a non-candidate.
-    """
-    pinned = frozenset(pinned)
-    room = capacity - len(pinned)
-    if room < 1:
-        raise ValueError(f"capacity {capacity} leaves no slot beside {len(pinned)} pinned experts")
-    resident: dict[ExpertKey, None] = {}
-    wave: set[ExpertKey] = set()
-    evictable = _Evictable(resident, pinned, wave)
-    for key in sorted(pinned):
-        resident[key] = None
-        policy.on_insert(key)
-    on_route, on_access, on_insert, on_evict = policy.on_route, policy.on_access, policy.on_insert, policy.on_evict
-    hits = misses = evictions = 0
-    for layer, experts in trace:
-        on_route(layer, experts, [1.0] * len(experts))
-        step = room if len(set(experts)) > room else max(1, len(experts))
-        for start in range(0, len(experts), step):
-            keys = [(layer, e) for e in experts[start:start + step]]
-            wave.clear()
-            wave.update(keys)
-            for key in keys:
-                on_access(key)
-                if key in resident:
-                    hits += 1
-                    continue
-                misses += 1
-                if len(resident) >= capacity:
-                    out = policy.victim(evictable, layer)
-                    if out not in evictable:
-                        raise RuntimeError(f"{policy.name} chose {out}, which is not an eviction candidate")
-                    del resident[out]
-                    on_evict(out)
-                    evictions += 1
-                resident[key] = None
-                on_insert(key)
-    return SimResult(hits, misses, evictions)
-
-
-def future_of(trace: RoutingTrace) -> list[ExpertKey]:
-    """The exact `on_access` key sequence `simulate` makes for `trace` (for BeladyPolicy).
-    Equal keys share one tuple object to keep long futures small."""
-    shared: dict[ExpertKey, ExpertKey] = {}
-    return [shared.setdefault((layer, e), (layer, e)) for layer, experts in trace for e in experts]
-
-
-def _hit_rate(job: tuple[RoutingTrace, str, int]) -> float:
-    trace, name, capacity = job
-    policy = BeladyPolicy(future_of(trace)) if name == "belady" else make_policy(name)
-    return simulate(trace, policy, capacity).hit_rate
-
-
-def trace_sim_main(argv: list[str] | None = None) -> int:
-    """`moestream trace-sim TRACE ...`: replay a trace at several pool sizes and print each
-    policy's hit rate next to Belady's (MIN). The replay is pure Python, about 2-15 us per key
-    access depending on the policy (activation slowest), so DeepSeek traces default to their
-    first 200 prompts (~3M key accesses) and (policy, size) runs go to `--jobs` processes.
-    Returns the exit status."""
-    p = argparse.ArgumentParser(prog="moestream trace-sim",
-                                description="Replay a routing trace; print hit rates per policy and pool size.")
-    p.add_argument("trace", help="a moestream trace .npz or the DeepSeek prompt-routing .npz")
-    p.add_argument("--format", default="auto", choices=["auto", "moestream", "deepseek"])
-    p.add_argument("--cache-sizes", default="0.05,0.1,0.25",
-                   help="pool sizes in slots, comma-separated; a value below 1 is a fraction of the "
-                        "trace's distinct (layer, expert) keys (default: 0.05,0.1,0.25)")
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
-    p.add_argument("--interleave", type=int, default=1, help="DeepSeek: prompts served concurrently (default: 1)")
-    p.add_argument("--max-prompts", type=int, default=200,
-                   help="DeepSeek: first N prompts; 0 = all 1,000 (~15M key accesses, slow) (default: 200)")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: all CPUs)")
-    args = p.parse_args(argv)
-    policies = [s for s in args.policies.split(",") if s]
-    for name in policies:
-        if name not in POLICY_NAMES:
-            p.error(f"unknown policy {name!r}; valid: {', '.join(POLICY_NAMES)}")
-    if args.format == "auto":
-        with np.load(args.trace) as z:
-            args.format = "moestream" if "offsets" in z.files else "deepseek"
-    trace = (RoutingTrace.load(args.trace) if args.format == "moestream" else
-             RoutingTrace.from_deepseek_npz(args.trace, args.interleave, args.max_prompts or None))
-    distinct = trace.distinct_keys()
-    try:
-        sizes = [int(v) if v >= 1 else max(1, round(v * distinct)) for v in map(float, args.cache_sizes.split(","))]
-    except ValueError:
-        p.error(f"--cache-sizes: expected numbers, got {args.cache_sizes!r}")
-    print(f"trace: {len(trace)} accesses, {trace.num_key_accesses} key accesses, {distinct} distinct keys")
-    cols = policies + ["belady"]
-    jobs = [(trace, name, cap) for cap in sizes for name in cols]
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
-            rates = list(pool.map(_hit_rate, jobs))
-    else:
-        rates = [_hit_rate(job) for job in jobs]
-    print(f"{'slots':>8} " + " ".join(f"{c:>10}" for c in cols))
-    for i, cap in enumerate(sizes):
-        print(f"{cap:>8} " + " ".join(f"{r:>10.4f}" for r in rates[i * len(cols):(i + 1) * len(cols)]))
-    return 0

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     0 done, 2 a bad flag, model or input (an `error: ...` line on stderr)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["trace-sim"]:
-        from moestream.experts.trace import trace_sim_main
+        from moestream.experts.trace_sim import trace_sim_main
 
         return trace_sim_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -63,6 +63,8 @@ class ServerConfig:
             raise ValueError(f"max_request_body_bytes must be at least 1, got {self.max_request_body_bytes}")
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {self.max_waiting_requests}")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path '{self.allowed_local_media_path}' is not a directory")
 
 
 def default_engine_threads(device: str) -> int | None:
