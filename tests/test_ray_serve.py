@@ -33,9 +33,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in out if re.search(r"\b(raylet|gcs_server)\b", line)]
+def _ray_processes() -> set[int]:
+    """Pids of Ray's cluster daemons (raylet, gcs_server) on this machine."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return {int(line.split()[0]) for line in out if re.search(r"\b(raylet|gcs_server)\b", line)}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,10 @@ def cluster() -> Iterator[str]:
 
     from moestream.server.ray_serve.deploy import APP_NAME, RayConfig, build_ray_app, start_collector
 
-    assert not _ray_processes(), "a Ray cluster is already running on this machine"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    others = _ray_processes()  # another cluster on this machine, not ours to check
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ours = _ray_processes() - others
+    assert ours, "ray.init started no raylet / gcs_server"
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine = EngineConfig(model=demo_model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
@@ -62,9 +65,9 @@ def cluster() -> Iterator[str]:
         serve.shutdown()
         ray.shutdown()
         deadline = time.monotonic() + 30
-        while _ray_processes() and time.monotonic() < deadline:
+        while ours & _ray_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not _ray_processes(), f"Ray processes left: {_ray_processes()}"
+        assert not ours & _ray_processes(), f"Ray processes left: {ours & _ray_processes()}"
 
 
 def _metric(text: str, name: str) -> dict[str, float]:
@@ -297,6 +300,7 @@ def test_prompt_text_of_requests() -> None:
 def test_serve_ray_flags_are_checked_before_ray_starts(flags: list[str], message: str, capsys) -> None:
     from moestream.server.cli import main
 
+    before = _ray_processes()
     assert main(["serve", "--ray", "--port", str(_free_port()), *flags]) == 2
     assert message in capsys.readouterr().err
-    assert not _ray_processes()
+    assert _ray_processes() <= before  # no cluster was started

@@ -34,7 +34,8 @@ class RayConfig:
             router balances load instead of following the prefix (PrefixCacheAffinityRouter's
             `imbalanced_threshold`).
         match_rate_threshold: smallest matched fraction of a prompt worth following.
-        address: a Ray cluster to join ("auto" or "ray://host:10001"); None starts a local one.
+        address: a Ray cluster to join ("auto" or "ray://host:10001"); None starts a new local one
+            (never joins a cluster already running here).
     """
 
     num_replicas: int = 1
@@ -112,7 +113,7 @@ def serve_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_conf
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as Ctrl-C does (Ray's processes too)
-    ray.init(address=ray_config.address, include_dashboard=False, log_to_driver=True)
+    ray.init(address=ray_config.address or "local", include_dashboard=False, log_to_driver=True)
     try:
         serve.start(http_options={"host": host, "port": port})
         collector = start_collector()
