@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -19,9 +20,7 @@ import httpx
 import pytest
 
 from moestream import LLM, SamplingParams
-from moestream.config import EngineConfig
 from moestream.demo import demo_model_path
-from moestream.server.serving import ServerConfig
 
 NAME = "demo"
 MAX_MODEL_LEN = 256
@@ -34,40 +33,56 @@ def _free_port() -> int:
 
 
 def _ray_processes() -> set[int]:
-    """Pids of Ray's cluster daemons (raylet, gcs_server) on this machine."""
+    """Pids of Ray's processes on this machine (raylet, gcs_server, the ray:: workers and agents)."""
     out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
-    return {int(line.split()[0]) for line in out if re.search(r"\b(raylet|gcs_server)\b", line)}
+    return {int(line.split()[0]) for line in out
+            if re.search(r"\b(raylet|gcs_server)\b|ray::|ServeReplica|ServeController|dashboard", line)}
+
+
+def _replica_pids(since: set[int]) -> list[int]:
+    """Pids of this cluster's engine replica actors (started after `since` was taken)."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [int(line.split()[0]) for line in out if "EngineReplica" in line and int(line.split()[0]) not in since]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
-    """The application on a fresh local Ray cluster; yields the ingress URL. Tears Ray down
-    and checks that no Ray process is left."""
-    import ray
-    from ray import serve
-
-    from moestream.server.ray_serve.deploy import APP_NAME, RayConfig, build_ray_app, start_collector
+    """`moestream serve --ray` (the README's command: a new local Ray cluster, 2 replicas of the
+    demo model) in a subprocess; yields its URL. Teardown sends SIGTERM and checks that it
+    exits 0 and that every Ray process it started is gone."""
+    import sys
 
     others = _ray_processes()  # another cluster on this machine, not ours to check
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ours = _ray_processes() - others
-    assert ours, "ray.init started no raylet / gcs_server"
     port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    engine = EngineConfig(model=demo_model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
-    server = ServerConfig(served_model_names=(NAME,), engine_threads=1)
-    app = build_ray_app(engine, server, RayConfig(num_replicas=2, num_cpus=0.5, imbalanced_threshold=8),
-                        MAX_MODEL_LEN, start_collector())
-    serve.run(app, name=APP_NAME, route_prefix="/")
+    cmd = [sys.executable, "-m", "moestream.server.cli", "serve", "--ray", "--num-replicas", "2", "--replica-cpus",
+           "0.5", "--port", str(port), "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
+           str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"serve --ray exited: {proc.stderr.read()[-3000:]}"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "serve --ray did not become healthy in 180 s"
+            time.sleep(1)
+        yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ours = _ray_processes() - others
+        proc.send_signal(15)  # SIGTERM, as the README's `kill %1`
+        try:
+            rc = proc.wait(timeout=90)
+        finally:
+            proc.kill()
         deadline = time.monotonic() + 30
         while ours & _ray_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not ours & _ray_processes(), f"Ray processes left: {ours & _ray_processes()}"
+        assert rc == 0, proc.stderr.read()[-3000:]
+        assert ours and not ours & _ray_processes(), f"Ray processes left: {ours & _ray_processes()}"
 
 
 def _metric(text: str, name: str) -> dict[str, float]:
@@ -179,19 +194,16 @@ def test_errors_come_back_in_openai_shape(cluster: str) -> None:
 
 
 def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> None:
-    """Kill one replica's actor while 16 whole and 4 streamed requests are in flight: every
+    """Kill one replica's process while 16 whole and 4 streamed requests are in flight: every
     whole request succeeds with the single-engine text (retried on the other replica); each
     stream either completes with that text or ends with an error event and [DONE]; the
-    ingress keeps serving, and Ray brings the replica back."""
-    import ray
-    from ray import serve
+    ingress keeps serving, and Ray brings a new replica up (a new id in /metrics)."""
+    import signal
 
-    from moestream.server.ray_serve.deploy import APP_NAME
-
-    status = serve.status().applications[APP_NAME].deployments["EngineReplica"]
-    victims = [a for a in ray.util.list_named_actors(all_namespaces=True)
-               if "EngineReplica" in a["name"] and a["namespace"] == "serve"]
-    assert len(victims) == 2, (victims, status)
+    old_ids = set(_scrape(cluster, "moestream:kv_cache_blocks_total"))
+    assert len(old_ids) == 2
+    victims = _replica_pids(since=set())
+    assert len(victims) == 2, victims
 
     async def whole(prompt: str) -> str:
         async with httpx.AsyncClient(timeout=120) as c:
@@ -225,11 +237,11 @@ def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> No
         jobs = [asyncio.create_task(whole(PROMPTS[i])) for i in range(16)]
         streams = [asyncio.create_task(streamed(PROMPTS[i])) for i in range(4)]
         await asyncio.sleep(1.0)
-        actor = ray.get_actor(victims[0]["name"], namespace="serve")
-        ray.kill(actor, no_restart=False)
+        os.kill(victims[0], signal.SIGKILL)
         return await asyncio.gather(*jobs), await asyncio.gather(*streams)
 
     failures_before = _ingress_metric(cluster, "moestream:replica_failures_total")
+    assert failures_before == {"retried": 0.0, "stream_ended": 0.0, "refused": 0.0}  # exported from the start
     long_ref = LLM(demo_model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN).generate(
         PROMPTS[:16], SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.0, ignore_eos=True))
     wholes, streams = asyncio.run(run())
@@ -242,20 +254,17 @@ def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> No
     # Some request was on the dead replica: retried whole, or a stream ended with the error event.
     failures = _ingress_metric(cluster, "moestream:replica_failures_total")
     stream_errors = sum(1 for _, errors in streams if errors)
-    assert failures.get("retried", 0) - failures_before.get("retried", 0) + stream_errors >= 1
-    assert failures.get("stream_ended", 0) - failures_before.get("stream_ended", 0) == stream_errors
+    assert failures["retried"] + stream_errors >= 1 and failures["stream_ended"] == stream_errors
     r = httpx.post(cluster + "/v1/completions", timeout=60, json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 12,
                                                                    "temperature": 0, "repetition_penalty": 1.0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[PROMPTS[0]]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
-        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if "EngineReplica" in a["name"] and a["namespace"] == "serve"}
-        running = serve.status().applications[APP_NAME].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
-        if running == 2 and len(names) == 2:
+        ids = set(_metric(httpx.get(cluster + "/metrics", timeout=10).text, "moestream:kv_cache_blocks_total"))
+        if len(ids) == 2 and ids != old_ids:
             break
         time.sleep(1)
-    assert running == 2 and victims[0]["name"] not in names  # Ray replaced the dead replica
+    assert len(ids - old_ids) == 1 and len(ids & old_ids) == 1, (old_ids, ids)  # one replaced, one kept
 
 
 def test_merge_metrics_labels_each_replica() -> None:
@@ -303,4 +312,26 @@ def test_serve_ray_flags_are_checked_before_ray_starts(flags: list[str], message
     before = _ray_processes()
     assert main(["serve", "--ray", "--port", str(_free_port()), *flags]) == 2
     assert message in capsys.readouterr().err
-    assert _ray_processes() <= before  # no cluster was started
+    assert not _ray_processes() - before  # no cluster was started
+
+
+def test_health_follows_the_replicas_metrics_pushes() -> None:
+    """The ingress's /health is 503 when no replica pushed its metrics in the last few seconds
+    (all dead), 200 otherwise."""
+    from types import SimpleNamespace
+
+    from moestream.server.metrics import ServerMetrics
+    from moestream.server.ray_serve.ingress import RayBackend
+    from moestream.server.ray_serve.metrics import ALIVE_WITHIN_S, MetricsCollector
+
+    collector = MetricsCollector()
+
+    async def num_alive(within_s: float) -> int:
+        return collector.num_alive(within_s)
+
+    backend = RayBackend(None, MAX_MODEL_LEN, ServerMetrics(), SimpleNamespace(num_alive=SimpleNamespace(remote=num_alive)))
+    assert asyncio.run(backend.is_healthy()) is False
+    collector.push("r1", b"")
+    assert asyncio.run(backend.is_healthy()) is True
+    collector._texts["r1"] = (time.monotonic() - ALIVE_WITHIN_S - 1, b"")  # silent for longer than the window
+    assert asyncio.run(backend.is_healthy()) is False

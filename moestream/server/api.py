@@ -369,7 +369,7 @@ class ServingBackend(Protocol):
     async def stop(self) -> None:
         """At the app's shutdown."""
 
-    def is_healthy(self) -> bool:
+    async def is_healthy(self) -> bool:
         """False when no engine can serve (GET /health answers 503)."""
 
     async def metrics_text(self) -> bytes:
@@ -402,7 +402,7 @@ class LocalBackend:
         await self.async_engine.shutdown()
         self.serving["chat"].close()
 
-    def is_healthy(self) -> bool:
+    async def is_healthy(self) -> bool:
         return self.async_engine.is_running
 
     async def metrics_text(self) -> bytes:
@@ -474,7 +474,7 @@ def build_openai_app(backend: ServingBackend, config: ServerConfig, metrics: Ser
 
     @app.get("/health")
     async def health() -> Response:
-        if not backend.is_healthy():
+        if not await backend.is_healthy():
             return error_response(APIError(503, "The engine is not running.", type="server_error"))
         return Response(status_code=200)
 

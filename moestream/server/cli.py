@@ -188,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /version, /metrics. "
-                                     "SIGINT or SIGTERM stops it gracefully: in-flight requests finish, then it exits 0.")
+                                     "SIGINT or SIGTERM stops it gracefully: in-flight requests finish, then it exits 0 "
+                                     "(with --ray: the application and the Ray cluster it started shut down, requests "
+                                     "still in flight are cancelled).")
     srv.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
                      help="Hugging Face checkpoint directory; same as --model (default: the built-in demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")

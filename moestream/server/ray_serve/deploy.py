@@ -99,7 +99,8 @@ def start_collector() -> Any:
 def serve_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_config: RayConfig, max_model_len: int,
               host: str, port: int) -> int:
     """Deploy on Ray Serve and block until interrupted (Ctrl-C / SIGTERM); then shut the
-    application down (and the local Ray cluster, if this started it). Returns 0.
+    application down (requests still in flight are cancelled) and the local Ray cluster, if
+    this started it. Returns 0.
 
     Raises:
         ValueError: Ray is not installed (the `.[ray]` extra).
@@ -112,8 +113,10 @@ def serve_ray(engine_config: EngineConfig, server_config: ServerConfig, ray_conf
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)  # SIGTERM shuts down as Ctrl-C does (Ray's processes too)
     ray.init(address=ray_config.address or "local", include_dashboard=False, log_to_driver=True)
+    # After ray.init, which installs its own SIGTERM handler (a crash dump and abort): SIGTERM
+    # shuts down as Ctrl-C does, Ray's processes included.
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         serve.start(http_options={"host": host, "port": port})
         collector = start_collector()

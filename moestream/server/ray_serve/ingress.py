@@ -24,7 +24,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from moestream.server.api import EventStreamResponse, build_openai_app, until_disconnect
 from moestream.server.metrics import ServerMetrics
 from moestream.server.protocol import ChatCompletionRequest, CompletionRequest
-from moestream.server.ray_serve.metrics import merge_metrics
+from moestream.server.ray_serve.metrics import ALIVE_WITHIN_S, merge_metrics
 from moestream.server.serving import APIError, ServerConfig, sse_error
 
 logger = logging.getLogger("moestream")
@@ -60,6 +60,8 @@ class RayBackend:
             "moestream:replica_failures", "Requests whose engine replica died under them, by what the ingress did: "
             "retried (sent again), stream_ended (an error event ended the stream), refused (503, no replica left).",
             ["outcome"], registry=metrics.registry)
+        for outcome in ("retried", "stream_ended", "refused"):
+            self.replica_failures.labels(outcome)  # at 0 from the start, for alerting rules
 
     async def start(self) -> None:
         pass
@@ -67,8 +69,12 @@ class RayBackend:
     async def stop(self) -> None:
         pass
 
-    def is_healthy(self) -> bool:
-        return True  # Ray Serve's controller replaces unhealthy replicas; a request finds a live one or 503s
+    async def is_healthy(self) -> bool:
+        """True when some replica pushed its metrics in the last ALIVE_WITHIN_S seconds (without
+        a collector: always; a request then finds a live replica or 503s)."""
+        if self.collector is None:
+            return True
+        return await self.collector.num_alive.remote(ALIVE_WITHIN_S) > 0
 
     async def metrics_text(self) -> bytes:
         texts = await self.collector.texts.remote() if self.collector is not None else {}

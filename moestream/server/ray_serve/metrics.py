@@ -12,9 +12,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-# Seconds between a replica's pushes; a replica silent for STALE_AFTER_S is dropped (it died).
+# Seconds between a replica's pushes; a replica silent for STALE_AFTER_S is dropped (it died),
+# and the ingress's /health fails when none pushed within ALIVE_WITHIN_S.
 PUSH_INTERVAL_S = 1.0
 STALE_AFTER_S = 10.0
+ALIVE_WITHIN_S = 3.0
 
 
 class MetricsCollector:
@@ -29,6 +31,11 @@ class MetricsCollector:
 
     def drop(self, replica: str) -> None:
         self._texts.pop(replica, None)
+
+    def num_alive(self, within_s: float) -> int:
+        """Replicas that pushed in the last `within_s` seconds."""
+        now = time.monotonic()
+        return sum(1 for at, _ in self._texts.values() if now - at <= within_s)
 
     def texts(self) -> dict[str, bytes]:
         """The replicas' latest texts, those silent for STALE_AFTER_S left out."""
