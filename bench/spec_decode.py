@@ -170,11 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/spec_decode", help="output path prefix")
     ap.add_argument("--max-wait", type=float, default=180.0,
                     help="seconds to wait at most for an idle machine first (default: 180)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated subset of the methods, each with the one it is compared to "
+                         f"(default: all: {', '.join(METHODS)})")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:
         print(json.dumps(run_worker(json.loads(args.worker))))
         return 0
+    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown:
+        ap.error(f"--methods: unknown {unknown}; valid: {', '.join(METHODS)}")
+    chosen += [METHODS[m][2] for m in chosen if METHODS[m][2] not in chosen]  # each baseline runs too
+    methods = {m: METHODS[m] for m in METHODS if m in chosen}
     ckpt = args.checkpoint
     if ckpt == "demo":
         sys.path.insert(0, ROOT)
@@ -185,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = resolve_checkpoint(ckpt)
     load = wait_for_idle(args.max_wait)
     results, against = {}, {}
-    for method, (sc, budget, base) in METHODS.items():
+    for method, (sc, budget, base) in methods.items():
         spec = {"checkpoint": ckpt, "threads": args.threads, "speculative": sc, "budget": budget, "engine": "moestream",
                 "prompts": args.prompts}
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, capture_output=True,
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             peers[name] = run_in_vllm_venv(__file__, {"checkpoint": ckpt, "threads": args.threads, "speculative": sc, "engine": "vllm",
                                     "prompts": args.prompts})
             print(name, peers[name].get("status"), peers[name].get("error", ""), flush=True)
-    identical = all(results[m][w]["outputs"] == results["off"][w]["outputs"] for m in METHODS for w in WORKLOADS)
+    identical = all(results[m][w]["outputs"] == results[next(iter(methods))][w]["outputs"]
+                    for m in methods for w in WORKLOADS)
     for r in list(results.values()) + [p for p in peers.values() if p["status"] == "ok"]:
         for w in WORKLOADS:  # compared above; the token lists themselves stay out of the JSON
             r[w].pop("outputs", None)
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
              "expert MiB read / token |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for w in WORKLOADS:
-        for m in METHODS:
+        for m in methods:
             r, base = results[m][w], results[against[m]][w]
             lines.append(f"| {w} | {m} | {1000 * r['tpot_mean_s']:.1f} | {r['decode_tok_s']:.1f} | "
                          f"{base['tpot_mean_s'] / r['tpot_mean_s']:.2f}x vs {against[m]} | {r['acceptance_rate']:.1%} | "
@@ -238,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 3.5))
-        shown = [m for m in METHODS if m != against[m]]
+        shown = [m for m in methods if m != against[m]]
         width = 0.8 / len(shown)
         for j, m in enumerate(shown):
             ax.bar([i + j * width for i in range(len(WORKLOADS))],

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from moestream import LLM, ModelConfig
 from moestream.experts.policy import LRUPolicy, make_policy
-from moestream.experts.store import PagedExpertStore
+from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.loader import CheckpointReader, expert_locations
 
 
@@ -164,10 +164,11 @@ def test_pin_profile_validation(qwen3_moe_dir: str, tmp_path) -> None:
     eb = 3 * 32 * 64 * 4
     llm = LLM(qwen3_moe_dir, dtype="float32", expert_budget=3 * eb, expert_pin_profile=_profile(tmp_path, {"0": [1, 1, 1]}))
     assert llm.expert_stats()["num_slots"] == 3 and (0, 1) in llm.llm_engine.expert_store.pinned
-    for bad in ({"0": "12"}, {"0": [1.7]}, {"0": [True]}, [1, 2], {"x": [1]}):
+    cfg = ModelConfig.from_hf(qwen3_moe_dir)
+    for bad in ({"0": "12"}, {"0": [1.7]}, {"0": [True]}, [1, 2], {"x": [1]}):  # checked as the engine does
         with pytest.raises(ValueError, match="pin profile"):
-            LLM(qwen3_moe_dir, dtype="float32", expert_budget=0.5, expert_pin_profile=_profile(tmp_path, bad))
-    with pytest.raises(ValueError, match="not an MoE layer"):
+            load_pin_profile(_profile(tmp_path, bad), cfg)
+    with pytest.raises(ValueError, match="not an MoE layer"):  # and refused by the engine
         LLM(qwen3_moe_dir, dtype="float32", expert_budget=0.5, expert_pin_profile=_profile(tmp_path, {"1": [0]}))
     many = _profile(tmp_path, {"0": list(range(8)), "2": list(range(7))})
     assert LLM(qwen3_moe_dir, dtype="float32", expert_budget=1.0, expert_pin_profile=many).expert_stats()["resident"]
