@@ -23,6 +23,7 @@ from moestream import LLM, SamplingParams
 from moestream.demo import demo_model_path
 
 NAME = "demo"
+LONG = 200  # tokens per request of the fault test: in flight for seconds, so the kill lands mid-load
 MAX_MODEL_LEN = 256
 
 
@@ -156,7 +157,9 @@ def test_forty_concurrent_requests_reach_both_replicas_with_single_engine_text(c
     time.sleep(1.5)  # one metrics push
     after = _scrape(cluster, "moestream:request_success_total")
     served = {r: after[r] - before.get(r, 0.0) for r in after}
-    assert sum(served.values()) == 40 and len([r for r, n in served.items() if n > 0]) == 2, served
+    # Balanced: unrelated prompts in a burst spread over both replicas (the router counts its own
+    # routing decisions; Ray's queue-length cache saw 0 everywhere and sent all 16 of a burst to one).
+    assert sum(served.values()) == 40 and len(served) == 2 and min(served.values()) >= 12, served
     r = httpx.get(cluster + "/v1/models", timeout=10)
     assert r.json()["data"][0]["id"] == NAME and r.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
 
@@ -193,6 +196,12 @@ def test_errors_come_back_in_openai_shape(cluster: str) -> None:
         assert r.status_code == 400 and "max_model_len" in json.loads(r.read())["error"]["message"]
 
 
+async def _burst(url: str, n: int) -> None:
+    async with httpx.AsyncClient(timeout=60) as c:
+        await asyncio.gather(*[c.post(url + "/v1/completions", json={"model": NAME, "prompt": PROMPTS[i], "max_tokens": 2})
+                               for i in range(n)])
+
+
 def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> None:
     """Kill one replica's process while 16 whole and 4 streamed requests are in flight: every
     whole request succeeds with the single-engine text (retried on the other replica); each
@@ -202,22 +211,31 @@ def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> No
 
     old_ids = set(_scrape(cluster, "moestream:kv_cache_blocks_total"))
     assert len(old_ids) == 2
+    # Both replicas take requests (the ingress's router learns of a replica a few seconds after
+    # it starts), so the 20 requests below are on both and the killed one has some.
+    deadline = time.monotonic() + 60
+    while len(_metric(httpx.get(cluster + "/metrics", timeout=10).text, "moestream:request_success_total")) < 2:
+        assert time.monotonic() < deadline, "a replica never got a request"
+        asyncio.run(_burst(cluster, 8))
+        time.sleep(1.2)
     victims = _replica_pids(since=set())
     assert len(victims) == 2, victims
 
     async def whole(prompt: str) -> str:
         async with httpx.AsyncClient(timeout=120) as c:
             r = await c.post(cluster + "/v1/completions", json={
-                "model": NAME, "prompt": prompt, "max_tokens": 48, "temperature": 0, "repetition_penalty": 1.0,
+                "model": NAME, "prompt": prompt, "max_tokens": LONG, "temperature": 0, "repetition_penalty": 1.0,
                 "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["text"]
 
-    async def streamed(prompt: str) -> tuple[str, list[dict]]:
+    started = [asyncio.Event() for _ in range(4)]
+
+    async def streamed(prompt: str, first: asyncio.Event) -> tuple[str, list[dict]]:
         text, errors = "", []
         async with httpx.AsyncClient(timeout=120) as c:
             async with c.stream("POST", cluster + "/v1/completions", json={
-                    "model": NAME, "prompt": prompt, "max_tokens": 48, "temperature": 0, "repetition_penalty": 1.0,
+                    "model": NAME, "prompt": prompt, "max_tokens": LONG, "temperature": 0, "repetition_penalty": 1.0,
                     "ignore_eos": True, "stream": True}) as r:
                 assert r.status_code == 200
                 done = False
@@ -230,20 +248,23 @@ def test_killing_a_replica_loses_no_request(cluster: str, reference: dict) -> No
                             errors.append(event["error"])
                         else:
                             text += event["choices"][0]["text"]
+                            first.set()
                 assert done
         return text, errors
 
     async def run() -> tuple[list, list]:
         jobs = [asyncio.create_task(whole(PROMPTS[i])) for i in range(16)]
-        streams = [asyncio.create_task(streamed(PROMPTS[i])) for i in range(4)]
-        await asyncio.sleep(1.0)
+        streams = [asyncio.create_task(streamed(PROMPTS[i], started[i])) for i in range(4)]
+        # Every stream is producing tokens: its replica accepted it (and the whole requests sent
+        # with it) and is decoding. Killed now, the requests are lost from under the ingress.
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
         os.kill(victims[0], signal.SIGKILL)
         return await asyncio.gather(*jobs), await asyncio.gather(*streams)
 
     failures_before = _ingress_metric(cluster, "moestream:replica_failures_total")
     assert failures_before == {"retried": 0.0, "stream_ended": 0.0, "refused": 0.0}  # exported from the start
     long_ref = LLM(demo_model_path(), dtype="float32", max_model_len=MAX_MODEL_LEN).generate(
-        PROMPTS[:16], SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.0, ignore_eos=True))
+        PROMPTS[:16], SamplingParams(temperature=0, max_tokens=LONG, repetition_penalty=1.0, ignore_eos=True))
     wholes, streams = asyncio.run(run())
     assert wholes == [o.outputs[0].text for o in long_ref]
     for (text, errors), ref in zip(streams, long_ref[:4]):
