@@ -219,6 +219,12 @@ def test_pixel_values_equal_hf_image_processor(vl_llm: LLM, hf_vl: HFMultimodalR
     assert len({x.hash for x in mm.items}) == 3
 
 
+@pytest.fixture(scope="module")
+def limited_llm(vl_dir: str) -> LLM:
+    """At most 2 images per prompt and 40,000 pixels per image."""
+    return LLM(vl_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 2}, max_image_pixels=40000)
+
+
 def _png_bytes(image: Image.Image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
@@ -235,8 +241,8 @@ def _png_bytes(image: Image.Image) -> bytes:
     (IMAGE, {"image": [Image.new("RGB", (300, 300))]}, "over the limit of 40000"),
     (IMAGE, {"image": [Image.open(io.BytesIO(_png_bytes(IMAGES[0])[:200]))]}, "image 1 cannot be decoded"),
 ])
-def test_bad_images_are_refused_with_nothing_queued(vl_dir: str, prompt: str, data: object, message: str) -> None:
-    llm = LLM(vl_dir, dtype="float32", max_model_len=256, limit_mm_per_prompt={"image": 2}, max_image_pixels=40000)
+def test_bad_images_are_refused_with_nothing_queued(limited_llm: LLM, prompt: str, data: object, message: str) -> None:
+    llm = limited_llm
     with pytest.raises(ValueError, match=message):
         llm.generate([{"prompt": "fine"}, {"prompt": prompt, "multi_modal_data": data}],
                      SamplingParams(max_tokens=2))

@@ -189,7 +189,10 @@ class ModelRunner:
                                        plan.captures)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
-        pos = self._rope_positions(spans)  # [T] or [3, T]
+        if any(r.mm_inputs is not None for r, _ in scheduled):
+            pos = self._rope_positions(spans)  # [T] or [3, T]
+        else:  # text only: the token positions themselves
+            pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
         if self.recorder is not None:
             self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,

@@ -12,7 +12,7 @@ every attempt fails because no replica is alive, the answer is a 503.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -82,44 +82,43 @@ class RayBackend:
 
     async def answer(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         if req.stream:
-            return await self._stream(kind, req, request)
+            def send() -> tuple[Awaitable[Any], Any]:
+                gen = self.replicas.options(stream=True).generate_stream.remote(kind, req)
+                return gen.__anext__(), gen  # its first item: (status, error body or None)
+        else:
+            def send() -> tuple[Awaitable[Any], Any]:
+                call = self.replicas.generate.remote(kind, req)
+                return call, call  # (status, body)
+        sent = await self._send(send, request)
+        if sent is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        (status, body), handle = sent
+        if req.stream and body is None:
+            return EventStreamResponse(self._events(handle), handle.cancel)
+        return JSONResponse(body, status_code=status)
+
+    async def _send(self, send: Callable[[], tuple[Awaitable[Any], Any]], request: Request) -> tuple[Any, Any] | None:
+        """(result, handle) of `send()` = (awaitable, its response or generator handle), sent
+        again to another replica when the replica dies first (MAX_ATTEMPTS in all); None when
+        the client left (the call is cancelled on the replica, its engine requests aborted).
+
+        Raises:
+            APIError: 503 when every attempt met a dead replica.
+        """
         error: BaseException | None = None
         for attempt in range(MAX_ATTEMPTS):
-            call = self.replicas.generate.remote(kind, req)
+            awaitable, handle = send()
             try:
-                result = await until_disconnect(request, call)
+                result = await until_disconnect(request, awaitable)
             except _REPLICA_GONE as e:
                 error = e
                 self.replica_failures.labels("retried").inc()
                 logger.warning("a replica died under a request (attempt %d of %d): %s", attempt + 1, MAX_ATTEMPTS, e)
                 continue
-            if result is None:  # the client left: cancel on the replica (its engine requests are aborted)
-                call.cancel()
-                return Response(status_code=499)
-            status, body = result
-            return JSONResponse(body, status_code=status)
-        self.replica_failures.labels("refused").inc()
-        raise _no_replica(error)  # type: ignore[arg-type]
-
-    async def _stream(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
-        error: BaseException | None = None
-        for attempt in range(MAX_ATTEMPTS):
-            gen = self.replicas.options(stream=True).generate_stream.remote(kind, req)
-            try:
-                first = await until_disconnect(request, gen.__anext__())
-            except _REPLICA_GONE as e:
-                error = e
-                self.replica_failures.labels("retried").inc()
-                logger.warning("a replica died before a stream began (attempt %d of %d): %s", attempt + 1,
-                               MAX_ATTEMPTS, e)
-                continue
-            if first is None:
-                gen.cancel()
-                return Response(status_code=499)
-            status, body = first
-            if body is not None:
-                return JSONResponse(body, status_code=status)
-            return EventStreamResponse(self._events(gen), gen.cancel)
+            if result is None:
+                handle.cancel()
+                return None
+            return result, handle
         self.replica_failures.labels("refused").inc()
         raise _no_replica(error)  # type: ignore[arg-type]
 
