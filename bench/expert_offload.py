@@ -1,12 +1,16 @@
 """Expert offloading benchmark: decode speed and I/O of moestream at several expert budgets.
 
-Makes (once) a Qwen3-MoE-shaped checkpoint with ~3 GiB of random bf16 experts, then for each
-budget (100, 50, 25, 12.5 % of the routed-expert bytes) and batch size (1, 8) runs greedy
-decoding from a cold page cache and reports TPOT, tokens/s, expert hit rate, stall share,
-bytes read, and the I/O floor (bytes missed / measured disk bandwidth) next to TPOT.
+Makes (once) a Qwen3-MoE-shaped checkpoint with ~3 GiB of random bf16 experts (or takes
+`--model`, e.g. the built-in demo model, for real routing), then for each budget (100, 50,
+25, 12.5 % of the routed-expert bytes), batch size (1, 8), eviction policy, prefetch mode and
+host-cache setting runs greedy decoding from a cold page cache and reports TPOT, tokens/s,
+expert hit rate, stall share, bytes read, misses computed in place from the host cache, and
+the I/O floor (bytes missed / measured disk bandwidth) next to TPOT. On a CPU device,
+prefetch is page-cache read-ahead and a host-cache miss is computed where it lies.
 Writes bench/results/expert_offload.{json,md,png}.
 
     python bench/expert_offload.py [--ckpt /tmp/moestream-offload-ckpt] [--max-tokens 16]
+    python bench/expert_offload.py --model demo --budgets 1.0,0.25 --policies lru,next_use
 """
 
 from __future__ import annotations
@@ -73,13 +77,15 @@ def disk_bandwidth(path: str, read_bytes: int, nbytes: int = 256 << 20) -> float
     return done / (time.perf_counter() - start)
 
 
-def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str) -> dict:
+def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str, policy: str,
+            host_cache_bytes: int, dtype: str) -> dict:
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
     t0 = time.perf_counter()
-    llm = LLM(ckpt, dtype="bfloat16", max_model_len=prompt_len + max_tokens + 8, max_num_seqs=batch,
-              expert_budget=None if budget >= 1.0 else budget, expert_prefetch=prefetch)
+    llm = LLM(ckpt, dtype=dtype, max_model_len=prompt_len + max_tokens + 8, max_num_seqs=batch,
+              expert_budget=None if budget >= 1.0 else budget, expert_prefetch=prefetch, expert_policy=policy,
+              expert_host_cache_bytes=host_cache_bytes)
     load_s = time.perf_counter() - t0
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(prompt_len)]} for _ in range(batch)]
@@ -95,6 +101,9 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
         "budget": budget,
         "batch": batch,
         "prefetch": prefetch if budget < 1.0 else "-",
+        "policy": policy if budget < 1.0 else "-",
+        "host_cache_bytes": host_cache_bytes if budget < 1.0 else 0,
+        "host_computed": stats.get("host_computed", 0),
         "load_seconds": load_s,
         "tpot_s": sum(tpots) / len(tpots),
         "ttft_s": sum(o.metrics.ttft for o in outs) / len(outs),
@@ -117,6 +126,9 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", default="/tmp/moestream-offload-ckpt")
+    ap.add_argument("--model", default=None,
+                    help="an existing checkpoint directory or 'demo' (the built-in demo model) instead of --ckpt")
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -124,31 +136,44 @@ def main() -> int:
     ap.add_argument("--budgets", default="1.0,0.5,0.25,0.125")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prefetch", default="none,gate", help="prefetch modes to compare at budgets below 100%%")
+    ap.add_argument("--policies", default="lru,next_use", help="eviction policies to compare at budgets below 100%%")
+    ap.add_argument("--host-cache", default="0",
+                    help="host-cache sizes to compare, as fractions of the routed-expert bytes (default: 0)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "expert_offload"))
     ap.add_argument("--bandwidth-bytes", type=int, default=256 << 20, help="bytes read to measure disk bandwidth")
     args = ap.parse_args()
-    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
+    if args.model is not None:
+        from moestream.demo import demo_model_path
+
+        args.ckpt = demo_model_path() if args.model == "demo" else args.model
+    elif not os.path.exists(os.path.join(args.ckpt, "config.json")):
         print(f"making checkpoint in {args.ckpt} ...", flush=True)
         make_checkpoint(args.ckpt, args.layers, args.experts, args.hidden, args.moe_intermediate)
     from moestream import ModelConfig
 
     cfg = ModelConfig.from_hf(args.ckpt)
-    expert_tensor_bytes = cfg.moe_intermediate_size * cfg.hidden_size * 2
+    expert_tensor_bytes = cfg.moe_intermediate_size * cfg.hidden_size * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     expert_total = sum(cfg.moe_layers) * cfg.num_experts * 3 * expert_tensor_bytes
     bw = disk_bandwidth(args.ckpt, expert_tensor_bytes, args.bandwidth_bytes)
     print(f"routed experts: {expert_total / 2**30:.2f} GiB; cold random-read bandwidth {bw / 2**20:.0f} MiB/s", flush=True)
     rows = []
-    runs = [(batch, budget, prefetch)
+    paged = [(prefetch, policy, float(host)) for prefetch in args.prefetch.split(",")
+             for policy in args.policies.split(",") for host in args.host_cache.split(",")]
+    runs = [(batch, budget, setting)
             for batch in [int(b) for b in args.batches.split(",")]
             for budget in [float(b) for b in args.budgets.split(",")]
-            for prefetch in (args.prefetch.split(",") if budget < 1.0 else ["none"])]
-    for batch, budget, prefetch in runs:
-        row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len, prefetch)
-        row["io_floor_tpot_s"] = row["missed_bytes"] / bw / (args.max_tokens + 1)
+            for setting in (paged if budget < 1.0 else [("none", "lru", 0.0)])]
+    for batch, budget, (prefetch, policy, host) in runs:
+        row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len, prefetch, policy,
+                      int(host * expert_total), args.dtype)
+        # misses computed in place from the host cache read nothing from the disk
+        row["io_floor_tpot_s"] = (row["missed_bytes"] - row["host_computed"] * 3 * expert_tensor_bytes) / bw / (
+            args.max_tokens + 1)
         rows.append(row)
-        print(f"budget {budget:>5.3f} batch {batch} prefetch {row['prefetch']}: TPOT {row['tpot_s'] * 1e3:8.1f} ms, "
+        print(f"budget {budget:>5.3f} batch {batch} prefetch {row['prefetch']} policy {row['policy']} host "
+              f"{host:.0%}: TPOT {row['tpot_s'] * 1e3:8.1f} ms, "
               f"{row['tokens_per_s']:6.2f} tok/s, hit rate {row['hit_rate']:.3f}, stall {row['stall_share']:.0%}, "
               f"read {row['bytes_read'] / 2**30:.2f} GiB, I/O floor {row['io_floor_tpot_s'] * 1e3:.1f} ms/token", flush=True)
     for batch in {r["batch"] for r in rows}:
@@ -161,13 +186,14 @@ def main() -> int:
         r.pop("output_token_ids")
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["| budget | batch | prefetch | TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | stall share | "
-             "read (GiB) | wasted prefetch (GiB) |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| budget | batch | prefetch | policy | host cache | TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | "
+             "in place | stall share | read (GiB) | wasted prefetch (GiB) |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['budget']:.1%} | {r['batch']} | {r['prefetch']} | {r['tpot_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['budget']:.1%} | {r['batch']} | {r['prefetch']} | {r['policy']} | "
+                     f"{r['host_cache_bytes'] / expert_total:.0%} | {r['tpot_s'] * 1e3:.1f} | "
                      f"{r['io_floor_tpot_s'] * 1e3:.1f} | {r['tokens_per_s']:.2f} | {r['hit_rate']:.3f} | "
-                     f"{r['stall_share']:.0%} | {r['bytes_read'] / 2**30:.2f} | {r['wasted_prefetch_bytes'] / 2**30:.2f} |")
+                     f"{r['host_computed']} | {r['stall_share']:.0%} | {r['bytes_read'] / 2**30:.2f} | {r['wasted_prefetch_bytes'] / 2**30:.2f} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -179,19 +205,22 @@ def main() -> int:
 
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         for batch in sorted({r["batch"] for r in rows}):
-            for prefetch in args.prefetch.split(","):
-                rs = [r for r in rows if r["batch"] == batch and r["prefetch"] in (prefetch, "-")]
+            for prefetch, policy, host in paged:
+                rs = [r for r in rows if r["batch"] == batch and (r["prefetch"] == "-" or (
+                    r["prefetch"], r["policy"], r["host_cache_bytes"]) == (prefetch, policy, int(host * expert_total)))]
                 xs = [r["budget"] * 100 for r in rs]
-                ax[0].plot(xs, [r["tpot_s"] * 1e3 for r in rs], "o-", label=f"TPOT, batch {batch}, prefetch {prefetch}")
-                ax[1].plot(xs, [r["hit_rate"] for r in rs], "o-", label=f"batch {batch}, prefetch {prefetch}")
-            rs = [r for r in rows if r["batch"] == batch and r["prefetch"] in ("none", "-")]
+                label = f"batch {batch}, {policy}, prefetch {prefetch}" + (f", host {host:.0%}" if host else "")
+                ax[0].plot(xs, [r["tpot_s"] * 1e3 for r in rs], "o-", label=f"TPOT, {label}")
+                ax[1].plot(xs, [r["hit_rate"] for r in rs], "o-", label=label)
+            rs = [r for r in rows if r["batch"] == batch and (r["prefetch"] == "-" or (
+                r["prefetch"], r["policy"], r["host_cache_bytes"]) == paged[0][:2] + (int(paged[0][2] * expert_total),))]
             ax[0].plot([r["budget"] * 100 for r in rs], [r["io_floor_tpot_s"] * 1e3 for r in rs], "x--",
                        label=f"I/O floor (misses / cold bandwidth), batch {batch}")
         ax[0].set(xlabel="expert budget (% of routed-expert bytes)", ylabel="ms per output token", yscale="log")
         ax[1].set(xlabel="expert budget (%)", ylabel="expert hit rate", ylim=(0, 1.05))
         for a in ax:
             a.invert_xaxis()
-            a.legend()
+            a.legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(args.out + ".png", dpi=120)
     except ImportError:

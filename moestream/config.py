@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from moestream.experts.policy import POLICY_NAMES
 from moestream.validation import is_int, is_number
 
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -683,8 +684,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
-        if self.expert_policy not in ("lru", "lfu", "activation"):
-            raise ValueError(f"unknown expert policy '{self.expert_policy}'; use lru, lfu or activation")
+        if self.expert_policy not in POLICY_NAMES:
+            raise ValueError(f"unknown expert policy '{self.expert_policy}'; use one of {', '.join(POLICY_NAMES)}")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):

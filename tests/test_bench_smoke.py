@@ -13,13 +13,18 @@ def test_expert_offload_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
     out = str(tmp_path / "offload")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "expert_offload.py"), "--ckpt", qwen3_moe_dir,
            "--budgets", "1.0,0.5", "--batches", "2", "--max-tokens", "3", "--prompt-len", "4",
-           "--prefetch", "none,gate", "--bandwidth-bytes", "65536", "--out", out]
+           "--prefetch", "gate", "--policies", "next_use", "--host-cache", "0,1", "--bandwidth-bytes", "65536",
+           "--out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.load(open(out + ".json"))
-    assert [(r["budget"], r["prefetch"]) for r in data["rows"]] == [(1.0, "-"), (0.5, "none"), (0.5, "gate")]
+    rows = data["rows"]
+    assert [(r["budget"], r["prefetch"], r["policy"]) for r in rows] == [
+        (1.0, "-", "-"), (0.5, "gate", "next_use"), (0.5, "gate", "next_use")]
     assert data["meta"]["outputs_identical_across_budgets"] is True
-    assert data["rows"][0]["hit_rate"] == 1.0 and data["rows"][1]["missed_bytes"] > 0
+    assert rows[0]["hit_rate"] == 1.0 and rows[1]["missed_bytes"] > 0
+    assert rows[1]["host_computed"] == 0 < rows[2]["host_computed"]  # a host cache: misses computed in place
+    assert rows[2]["io_floor_tpot_s"] < rows[1]["io_floor_tpot_s"]
     assert open(out + ".md").read().count("\n") == 2 + 3
 
 

@@ -40,18 +40,22 @@ def resident(model_dir: str) -> tuple[list[list[int]], list[list[torch.Tensor]]]
 
 
 BUDGETS = ["50%", "25%", "min"]
-POLICIES = ["lru", "lfu", "activation"]
+POLICIES = ["lru", "lfu", "activation", "next_use"]
 PREFETCH = ["none", "gate", "history"]
 
 
-@pytest.mark.parametrize("budget, policy, prefetch", [
-    *[(b, p, "none") for b, p in itertools.product(BUDGETS, POLICIES)],
-    *[(b, "lru", f) for b, f in itertools.product(BUDGETS, PREFETCH[1:])],
+@pytest.mark.parametrize("budget, policy, prefetch, host", [
+    ("50%", "lru", "none", False),
+    *[(b, p, "none", False) for b, p in itertools.product(BUDGETS[1:], POLICIES)],
+    *[(b, "lru", f, False) for b, f in itertools.product(BUDGETS, PREFETCH[1:])],
+    ("25%", "next_use", "gate", True),  # a host cache holding every expert: misses computed in place
 ])
-def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: str, prefetch: str) -> None:
+def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: str, prefetch: str, host: bool) -> None:
     cfg = ModelConfig.from_hf(model_dir)
     value = {"50%": 0.5, "25%": 0.25, "min": cfg.num_experts_per_tok * expert_bytes(model_dir)}[budget]
-    tokens, logits, llm = run(model_dir, expert_budget=value, expert_policy=policy, expert_prefetch=prefetch)
+    host_bytes = cfg.num_experts * sum(cfg.moe_layers) * expert_bytes(model_dir) if host else 0
+    tokens, logits, llm = run(model_dir, expert_budget=value, expert_policy=policy, expert_prefetch=prefetch,
+                              expert_host_cache_bytes=host_bytes)
     stats = llm.expert_stats()
     assert stats["resident"] is False and stats["policy"] == policy and stats["prefetch"] == prefetch
     ref_tokens, ref_logits = resident
@@ -59,7 +63,11 @@ def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: 
     for ours, ref in zip(logits, ref_logits):
         assert all(torch.equal(a, b) for a, b in zip(ours, ref))
     assert stats["misses"] > 0 and stats["evictions"] > 0
-    assert stats["bytes_read"] >= stats["misses"] * stats["expert_bytes"] - stats["prefetch_bytes"]
+    in_place = stats["host_computed"]
+    assert stats["bytes_read"] >= (stats["misses"] - in_place) * stats["expert_bytes"] - stats["prefetch_bytes"]
+    assert (in_place > 0) == host  # CPU: a host-cache miss is computed where it lies, never copied
+    if host:
+        assert stats["bytes_read_per_tier"]["host"] == 0
     if budget == "min":
         assert stats["num_slots"] == cfg.num_experts_per_tok
     print(f"{budget} {policy} {prefetch}: hit rate {stats['hit_rate']:.3f}, stall {stats['stall_seconds']:.3f}s, "

@@ -67,6 +67,27 @@ def test_host_cache_serves_repeat_misses(qwen_cfg, locations) -> None:
     assert s["misses"] == 6 and s["bytes_read_per_tier"] == {"disk": 4 * store.expert_bytes, "host": 2 * store.expert_bytes}
 
 
+def test_host_cache_miss_computed_in_place(qwen_cfg, locations, tensors) -> None:
+    """compute_in_place: a miss found in the host cache returns the host buffers (no slot, no
+    copy). Regression: a disk miss in the same call must not refill that buffer: with a
+    one-expert host cache holding (0, 0), loading (0, 3) would overwrite (0, 0)'s weights."""
+    store = make_store(qwen_cfg, locations, slots=2, host=1, compute_in_place=True)
+    store.ensure(0, [0])  # disk -> host buffer -> slot
+    store.prefetch_one((0, 1))  # slot prefetches bypass the host cache
+    store.ensure(0, [1])
+    store.prefetch_one((0, 2))  # evicts (0, 0) from the slots; the host cache still holds it
+    assert store.resident_experts() == {(0, 1), (0, 2)}
+    w = store.ensure(0, [0, 3])
+    s = store.stats()
+    assert s["host_computed"] == 1 and s["bytes_read_per_tier"]["host"] == 0
+    assert store.resident_experts() == {(0, 3), (0, 2)}
+    name = "model.layers.0.mlp.experts.{}.{}_proj.weight"
+    for i, e in enumerate((0, 3)):
+        torch.testing.assert_close(w[i].gate_up[32:], tensors[name.format(e, "up")], rtol=0, atol=0)
+        torch.testing.assert_close(w[i].down, tensors[name.format(e, "down")], rtol=0, atol=0)
+    assert w[0].down.data_ptr() not in {store.down[i].data_ptr() for i in range(2)}
+
+
 def test_pinned_experts_never_evicted(qwen_cfg, locations) -> None:
     store = make_store(qwen_cfg, locations, slots=4, pinned=[(0, 5), (2, 6)])
     assert store.max_experts_per_call() == 2
@@ -104,6 +125,33 @@ def test_prefetch_loads_ahead_and_counts(qwen_cfg, locations) -> None:
     store.ensure(0, [4])  # 4 slots: (0,0), (2,1), (2,2), (0,3) -> evicts LRU (0,0)
     store.ensure(0, [5])  # evicts (2,2): prefetched, never used
     assert s["wasted_prefetch_bytes"] == 0 and store.stats()["wasted_prefetch_bytes"] == store.expert_bytes
+
+
+def test_page_cache_prefetch_advises_the_expert_bytes_and_takes_no_slot(qwen_cfg, locations, tensors,
+                                                                       monkeypatch) -> None:
+    """The CPU prefetch target: the worker asks the kernel to read the predicted experts'
+    exact byte ranges ahead (POSIX_FADV_WILLNEED) and claims no slot; the demand access is
+    still a miss that reads the right weights."""
+    advised: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, adv: (advised.append((off, n, adv)), real(fd, off, n, adv)))
+    store = make_store(qwen_cfg, locations, slots=4, prefetch="gate", prefetch_target="page_cache")
+    store.ensure(0, [0])
+    store.prefetch(2, [1, 2])
+    end = time.monotonic() + 10
+    while store.stats()["prefetch_loads"] < 2:
+        assert time.monotonic() < end, "prefetch did not finish"
+        time.sleep(0.01)
+    want = sorted((loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED) for e in (1, 2) for loc in locations[(2, e)])
+    assert sorted(advised) == want
+    s = store.stats()
+    assert store.resident_experts() == {(0, 0)}
+    assert s["prefetch_bytes"] == sum(n for _, n, _ in want) and s["bytes_read_per_tier"]["disk"] == store.expert_bytes
+    w = store.ensure(2, [1])
+    assert store.stats()["misses"] == 2
+    torch.testing.assert_close(w[0].down, tensors["model.layers.2.mlp.experts.1.down_proj.weight"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="prefetch target 'gpu'"):
+        make_store(qwen_cfg, locations, slots=4, prefetch_target="gpu")
 
 
 def test_corrupt_expert_tensor_names_file_and_tensor(qwen3_moe_dir: str, tmp_path) -> None:

@@ -16,6 +16,7 @@ from moestream.experts.policy import (
     ExpertKey,
     LFUPolicy,
     LRUPolicy,
+    NextUsePolicy,
     make_policy,
 )
 from moestream.experts.trace import RoutingTrace
@@ -118,18 +119,58 @@ def test_belady_order_and_errors() -> None:
         p.on_access(A)
 
 
+def test_next_use_order() -> None:
+    # one layer: the next visit is always 1 away, so the key least likely to be routed goes.
+    # After 0, 0, 1, 2 the predicted chance of A is 0.3 * 0.375 / 1.875 + 0.7 * 1.995 / 3.994
+    # (0.41) against B's 0.3 * 0.5 / 1.875 + 0.7 * 0.999 / 3.994 (0.26): B goes, where LRU
+    # evicts A (and then hits B); then B returns and C (0.22) goes before A (0.31).
+    assert evictions(NextUsePolicy(slow=0.999), one_layer(0, 0, 1, 2, 1), 2) == [B, C]
+    assert evictions(LRUPolicy(), one_layer(0, 0, 1, 2, 1), 2) == [A]
+    # equal chances: the key whose layer runs last in the cycle goes; layer 1 needing a slot
+    # puts its own layer a whole cycle away (3 layers: 0 is 2 visits away, 2 is 1, 1 is 3)
+    p = NextUsePolicy()
+    for layer in (0, 1, 2):
+        p.on_route(layer, [0], [1.0])
+        p.on_insert((layer, 0))
+    assert p.victim([(0, 0), (1, 0), (2, 0)], 1) == (1, 0)
+    assert p.victim([(0, 0), (2, 0)], 1) == (0, 0)
+    assert p.victim([(0, 0), (2, 0)], 2) == (2, 0)
+    with pytest.raises(ValueError, match="fast"):
+        NextUsePolicy(fast=1.0)
+
+
+def test_retention_hints() -> None:
+    # next_use: a hinted key counts as certain (p = 1) until its layer routes again
+    p = NextUsePolicy()
+    for e in (0, 0, 0, 1):  # A is routed 3 times, B once
+        p.on_route(0, [e], [1.0])
+    p.on_insert(A)
+    p.on_insert(B)
+    assert p.victim([A, B], 0) == B
+    p.on_hint([B])
+    assert p.victim([A, B], 0) == A
+    p.on_route(0, [2], [1.0])  # the layer ran: the hint is spent
+    assert p.victim([A, B], 0) == B
+    # lru: a hinted resident key is as recent as an access; an unknown one is ignored
+    q = LRUPolicy()
+    for k in (A, B, C):
+        q.on_insert(k)
+    q.on_hint([A, D])
+    assert q.victim([A, B, C], 0) == B and q.victim([A, C], 0) == C
+
+
 def test_victim_rejects_unknown_candidates() -> None:
-    for policy in (LRUPolicy(), LFUPolicy(), ActivationAwarePolicy(), BeladyPolicy([A])):
+    for policy in (LRUPolicy(), LFUPolicy(), ActivationAwarePolicy(), NextUsePolicy(), BeladyPolicy([A])):
         policy.on_insert(A)
         with pytest.raises(ValueError):
             policy.victim([B], 0)
 
 
 def test_make_policy() -> None:
-    assert POLICY_NAMES == ("lru", "lfu", "activation")
-    assert [type(make_policy(n)) for n in POLICY_NAMES] == [LRUPolicy, LFUPolicy, ActivationAwarePolicy]
+    assert POLICY_NAMES == ("lru", "lfu", "activation", "next_use")
+    assert [type(make_policy(n)) for n in POLICY_NAMES] == [LRUPolicy, LFUPolicy, ActivationAwarePolicy, NextUsePolicy]
     assert make_policy("lfu", decay=0.5).decay == 0.5
-    with pytest.raises(ValueError, match="valid: lru, lfu, activation$"):
+    with pytest.raises(ValueError, match="valid: lru, lfu, activation, next_use$"):
         make_policy("fifo")
 
 
@@ -191,6 +232,47 @@ class LiteralActivation(EvictionPolicy):
                                               self.stamp[k], k))
 
 
+class LiteralNextUse(EvictionPolicy):
+    """Reference: per-key dicts decayed in place; evicts max d + n * (1 / p - 1), then smallest key."""
+
+    name = "literal-next-use"
+
+    def __init__(self, fast: float, slow: float, w: float) -> None:
+        self.fast, self.slow, self.w = fast, slow, w
+        self.cf: dict[ExpertKey, float] = {}
+        self.cs: dict[ExpertKey, float] = {}
+        self.vf: dict[int, float] = {}
+        self.vs: dict[int, float] = {}
+        self.layers: set[int] = set()
+
+    def on_route(self, layer: int, expert_ids: Sequence[int], weights: Sequence[float]) -> None:
+        self.layers.add(layer)
+        self.cf = {k: v * self.fast if k[0] == layer else v for k, v in self.cf.items()}
+        self.cs = {k: v * self.slow if k[0] == layer else v for k, v in self.cs.items()}
+        self.vf[layer] = self.vf.get(layer, 0.0) * self.fast + 1.0
+        self.vs[layer] = self.vs.get(layer, 0.0) * self.slow + 1.0
+        for e in set(expert_ids):
+            self.cf[(layer, e)] = self.cf.get((layer, e), 0.0) + 1.0
+            self.cs[(layer, e)] = self.cs.get((layer, e), 0.0) + 1.0
+
+    def on_insert(self, key: ExpertKey) -> None:
+        self.layers.add(key[0])
+
+    def victim(self, candidates: Collection[ExpertKey], current_layer: int) -> ExpertKey:
+        self.layers.add(current_layer)
+        order = sorted(self.layers)
+        n = len(order)
+
+        def eta(k: ExpertKey) -> float:
+            pf = self.cf.get(k, 0.0) / max(self.vf.get(k[0], 0.0), 1e-300)
+            ps = self.cs.get(k, 0.0) / max(self.vs.get(k[0], 0.0), 1e-300)
+            p = self.w * pf + (1.0 - self.w) * ps
+            d = (order.index(k[0]) - order.index(current_layer) - 1) % n + 1
+            return d + n * (1.0 / max(p, 1e-12) - 1.0)
+
+        return min(candidates, key=lambda k: (-eta(k), k))
+
+
 def random_accesses(rng: random.Random, n: int, layers: int, experts: int, width: int) -> list[tuple[int, tuple[int, ...]]]:
     return [(rng.randrange(layers), tuple(rng.sample(range(experts), rng.randint(1, width)))) for _ in range(n)]
 
@@ -203,6 +285,7 @@ def test_decayed_policies_match_literal_references() -> None:
         # decay 0.5: both bookkeepings are exact in binary floating point, ties included
         assert evictions(LFUPolicy(0.5, 3), accesses, cap) == evictions(LiteralLFU(0.5, 3), accesses, cap)
         assert evictions(ActivationAwarePolicy(0.5), accesses, cap) == evictions(LiteralActivation(0.5), accesses, cap)
+        assert evictions(NextUsePolicy(), accesses, cap) == evictions(LiteralNextUse(0.5, 0.99, 0.3), accesses, cap)
 
 
 def optimal_misses(accesses: list[tuple[int, tuple[int, ...]]], capacity: int) -> int:

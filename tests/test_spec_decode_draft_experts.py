@@ -61,12 +61,16 @@ def test_every_draft_accepted_when_all_experts_are_resident(any_model: str) -> N
 
 def test_draft_routing_feeds_the_prefetcher(qwen3_moe_dir: str) -> None:
     """The draft pass hints the experts the full router picks that are not on the device:
-    each hint names a non-resident expert, and loads it started are hit later."""
+    each hint names a non-resident expert, and loads it started are hit later. It gives the
+    policy the full router's choice as a retention hint, resident experts included."""
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=256, expert_budget=0.25, expert_prefetch="gate",
-              speculative_config=SPEC)
+              expert_policy="next_use", speculative_config=SPEC)
     store = llm.llm_engine.expert_store
+    store.prefetch_target = "slots"  # CPU devices default to page-cache read-ahead; this checks slot loads
     hints: list[tuple[int, int]] = []
-    prefetch = store.prefetch
+    retained: list[tuple[int, int]] = []
+    prefetch, on_hint = store.prefetch, store.policy.on_hint
+    store.policy.on_hint = lambda keys: (retained.extend(keys), on_hint(keys))
 
     def spy(layer: int, ids) -> None:  # this store's hints go through the test first
         import inspect
@@ -81,4 +85,5 @@ def test_draft_routing_feeds_the_prefetcher(qwen3_moe_dir: str) -> None:
     want = _run(LLM(qwen3_moe_dir, dtype="float32", max_model_len=256), _prompts()[:4])
     assert _run(llm, _prompts()[:4]) == want
     assert hints and llm.expert_stats()["prefetch_hits"] > 0
+    assert set(hints) < set(retained)  # retention hints also name experts that were resident
     _no_leaks(llm)

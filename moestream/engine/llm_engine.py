@@ -148,7 +148,8 @@ class LLMEngine:
             "all resident" if plan.resident else (
                 f"{plan.num_slots} device slots of {plan.expert_bytes} bytes ({plan.num_slots * plan.expert_bytes / 2**20:.1f} "
                 f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
-                f"prefetch {config.resolved_expert_prefetch}"),
+                f"prefetch {config.resolved_expert_prefetch}"
+                f"{' into slots' if self.device.type == 'cuda' else ' as page-cache read-ahead'}"),
             num_blocks, bs, block_bytes, num_blocks * block_bytes / 2**20, self.max_model_len,
         )
         if self.state_pool is not None:
@@ -213,7 +214,8 @@ class LLMEngine:
                 expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
                 mcfg.moe_intermediate_size, mcfg.hidden_size, self.dtype, self.device, plan.num_slots,
                 plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolved_expert_prefetch,
-                mcfg.num_experts_per_tok, self.recorder,
+                "slots" if self.device.type == "cuda" else "page_cache", mcfg.num_experts_per_tok, self.recorder,
+                compute_in_place=self.device.type == "cpu",
             )
         model = build_model(mcfg, reader, self.dtype, self.device, TorchAttentionBackend(), store)
         if plan.resident:

@@ -33,6 +33,8 @@ class ExpertStore(Protocol):
     max_experts_per_call() -> how many ids one `ensure` may ask for.
     on_route(layer, topk_ids [T, k] int64, topk_weights [T, k] float32): the router's choice.
     prefetch(layer, expert_ids): a hint that these experts will be needed soon.
+    hint(layer, expert_ids): a retention hint, that the next forward will route `layer` to
+        these experts (speculative drafts' routing); keep them, load nothing.
     resident_view(layer) -> {expert id: ExpertWeights} of the experts on the device now,
         loading nothing and counting nothing (self-speculative drafts use only these).
     lookahead: True when the model should predict the next layer's experts with its gate.
@@ -47,5 +49,7 @@ class ExpertStore(Protocol):
     def on_route(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None: ...
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None: ...
+
+    def hint(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
     def resident_view(self, layer: int) -> dict[int, ExpertWeights]: ...

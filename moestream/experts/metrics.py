@@ -16,7 +16,11 @@ class ExpertStats:
     served in its own format: disk in the checkpoint's dtype, host in the compute dtype;
     prefetch bytes are disk bytes. A stall is time `ensure` spends
     waiting for loads (demand misses and in-flight prefetches). prefetch_errors: prefetch
-    reads that raised (logged; the expert is then loaded on demand).
+    reads that raised (logged; the expert is then loaded on demand). host_computed: misses
+    computed from the host cache where they lie (no copy, no slot). With the page-cache
+    prefetch target, a prefetch load is a read-ahead request to the kernel and its bytes are
+    the bytes advised: they are not counted as read, and there are no prefetch hits or
+    wasted bytes (the demand miss reads them from the page cache).
     """
 
     num_layers: int
@@ -28,6 +32,7 @@ class ExpertStats:
     prefetch_bytes: int = 0
     wasted_prefetch_bytes: int = 0
     prefetch_errors: int = 0
+    host_computed: int = 0
     bytes_read_disk: int = 0
     bytes_read_host: int = 0
     stall_seconds: float = 0.0
@@ -55,6 +60,7 @@ class ExpertStats:
             "prefetch_bytes": self.prefetch_bytes,
             "wasted_prefetch_bytes": self.wasted_prefetch_bytes,
             "prefetch_errors": self.prefetch_errors,
+            "host_computed": self.host_computed,
             "bytes_read": self.bytes_read_disk + self.bytes_read_host,
             "bytes_read_per_tier": {"disk": self.bytes_read_disk, "host": self.bytes_read_host},
             "stall_seconds": self.stall_seconds,

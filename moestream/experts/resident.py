@@ -49,6 +49,9 @@ class ResidentExpertStore:
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
 
+    def hint(self, layer: int, expert_ids: Sequence[int]) -> None:
+        pass
+
     def nbytes(self) -> int:
         """Bytes held by all routed experts."""
         return sum(t.numel() * t.element_size() for d in (self._gate_up, self._down) for t in d.values())

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -32,6 +33,7 @@ from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 logger = logging.getLogger(__name__)
 
 PREFETCH_MODES = ("none", "gate", "history")
+PREFETCH_TARGETS = ("slots", "page_cache")
 
 
 class PagedExpertStore:
@@ -48,11 +50,25 @@ class PagedExpertStore:
         policy: eviction policy.
         pinned: experts loaded at start and never evicted.
         prefetch: "none", "gate" (router lookahead) or "history" (co-activation).
+        prefetch_target: where a predicted expert goes. "slots": the worker reads it into a
+            device slot (evicting by the policy), so the demand access is a hit. "page_cache":
+            the worker only asks the kernel to read its bytes ahead (`DiskTier.advise`), so
+            the demand miss copies from memory instead of waiting on the disk; it takes no
+            slot and no CPU time on the compute path (the choice on CPU devices, where the
+            slot copy competes with compute for the cores).
         top_k: router top-k (sizes history predictions).
         recorder: optional routing recorder.
+        compute_in_place: a miss found in the host cache is computed from the host-cache
+            buffers where they lie instead of being copied into a slot (Fiddler, ICLR'25:
+            serve a miss where it costs least). The cost of a copy is expert_bytes over the
+            copy bandwidth; computing in place costs nothing extra only when host and device
+            memory are the same memory, so the engine turns this on for CPU devices, where the
+            answer is always "in place" and the arithmetic is the same (same tensors' values,
+            same dtype, same kernels). On CUDA the in-place choice would run the expert on the
+            CPU, whose float arithmetic differs from the GPU's, so it stays off there.
 
     Raises:
-        ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode.
+        ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode or target.
     """
 
     def __init__(
@@ -70,11 +86,15 @@ class PagedExpertStore:
         policy: EvictionPolicy,
         pinned: Sequence[ExpertKey] = (),
         prefetch: str = "none",
+        prefetch_target: str = "slots",
         top_k: int = 1,
         recorder: RoutingRecorder | None = None,
+        compute_in_place: bool = False,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
+        if prefetch_target not in PREFETCH_TARGETS:
+            raise ValueError(f"unknown expert prefetch target '{prefetch_target}'; use one of {', '.join(PREFETCH_TARGETS)}")
         pinned = list(dict.fromkeys(pinned))
         if num_slots < top_k + len(pinned):
             raise ValueError(f"{num_slots} expert slots cannot hold top_k={top_k} experts besides {len(pinned)} pinned ones")
@@ -97,6 +117,8 @@ class PagedExpertStore:
         self._unused_prefetched: dict[ExpertKey, int] = {}  # prefetched, not used yet -> bytes read
         self._queue = PrefetchQueue()
         self.prefetch_mode = prefetch
+        self.prefetch_target = prefetch_target
+        self.compute_in_place = compute_in_place
         self.lookahead = prefetch == "gate"
         self._history = HistoryPredictor(moe_layers, num_experts, width=2 * top_k) if prefetch == "history" else None
         for key in pinned:
@@ -128,8 +150,16 @@ class PagedExpertStore:
         with self._queue.lock:
             self._queue.put([(layer, e) for e in expert_ids if (layer, e) not in self._slot_of])
 
+    def hint(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Retention hint: the next forward is expected to route `layer` to `expert_ids`
+        (passed to the policy's `on_hint`; nothing is loaded)."""
+        with self._queue.lock:
+            self.policy.on_hint([(layer, int(e)) for e in expert_ids])
+
     def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
-        """Make `expert_ids` of `layer` resident and return their slot views, in order.
+        """Make `expert_ids` of `layer` resident and return their weights, in order: slot views,
+        or host-cache buffers for misses computed in place (`compute_in_place`), all valid
+        until the next `ensure`.
 
         Raises:
             ValueError: more ids than `max_experts_per_call()`.
@@ -143,6 +173,7 @@ class PagedExpertStore:
             self._in_use = frozenset(keys)
             for key in keys:
                 self.policy.on_access(key)
+            in_place: set[ExpertKey] = set()  # host-cache entries this call reads where they lie
             for key in keys:
                 slot = self._slot_of.get(key)
                 if slot is None and key in self._loading:
@@ -155,12 +186,19 @@ class PagedExpertStore:
                     self.metrics.hits[layer] += 1
                     if self._unused_prefetched.pop(key, None) is not None:
                         self.metrics.prefetch_hits += 1
-                else:
-                    self.metrics.misses[layer] += 1
-                    start = time.perf_counter()
-                    slot = self._claim_slot_waiting(layer)
-                    self._load_into(slot, key)
-                    self.metrics.stall_seconds += time.perf_counter() - start
+                    out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
+                    continue
+                self.metrics.misses[layer] += 1
+                cached = self._host.get(key) if self.compute_in_place else None
+                if cached is not None:
+                    self.metrics.host_computed += 1
+                    in_place.add(key)
+                    out.append(cached)
+                    continue
+                start = time.perf_counter()
+                slot = self._claim_slot_waiting(layer)
+                self._load_into(slot, key, keep=in_place)
+                self.metrics.stall_seconds += time.perf_counter() - start
                 out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
         return out
 
@@ -207,8 +245,10 @@ class PagedExpertStore:
                     raise
                 self._queue.cond.wait()
 
-    def _load_into(self, slot: int, key: ExpertKey, disk: DiskTier | None = None) -> None:
+    def _load_into(self, slot: int, key: ExpertKey, disk: DiskTier | None = None,
+                   keep: AbstractSet[ExpertKey] = frozenset()) -> None:
         """Fill `slot` with `key` from the host cache or disk, and make it resident (caller holds the lock).
+        Host-cache entries in `keep` (being read in place) are not refilled.
 
         Copies are synchronous: a host-cache buffer may be refilled right after this returns.
         """
@@ -219,7 +259,7 @@ class PagedExpertStore:
             down.copy_(cached.down)
             self.metrics.bytes_read_host += self.expert_bytes
         else:
-            buf = self._host.slot_for(key)
+            buf = self._host.slot_for(key, keep)
             if buf is None:
                 self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, gate_up, down)
             else:
@@ -230,7 +270,26 @@ class PagedExpertStore:
         self.policy.on_insert(key)
 
     def prefetch_one(self, key: ExpertKey) -> None:
-        """Load one predicted expert (called by the prefetch worker)."""
+        """Load one predicted expert into a slot, or advise the kernel to read it ahead
+        (`prefetch_target`); called by the prefetch worker."""
+        with self._queue.lock:
+            if key in self._slot_of or key in self._loading:
+                return
+            if self.prefetch_target == "page_cache":
+                if key in self._host:
+                    return
+        if self.prefetch_target == "page_cache":  # the kernel reads; this thread only asks
+            try:
+                nbytes = self._prefetch_disk.advise(key)
+            except OSError:
+                logger.warning("read-ahead advice for expert %d of layer %d failed", key[1], key[0], exc_info=True)
+                with self._queue.lock:
+                    self.metrics.prefetch_errors += 1
+                return
+            with self._queue.lock:
+                self.metrics.prefetch_loads += 1
+                self.metrics.prefetch_bytes += nbytes
+            return
         with self._queue.lock:
             if key in self._slot_of or key in self._loading:
                 return

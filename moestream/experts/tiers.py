@@ -12,6 +12,7 @@ import json
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,23 @@ class DiskTier:
         down.copy_(self._read(dn))
         return gate.nbytes + up.nbytes + dn.nbytes
 
+    def advise(self, key: ExpertKey) -> int:
+        """Ask the kernel to read expert `key`'s bytes into the page cache in the background
+        (`posix_fadvise(POSIX_FADV_WILLNEED)`): no copy and no CPU work here, so a later
+        `read_into` is a page-cache copy instead of a disk read. Returns the bytes advised
+        (0 where the OS has no posix_fadvise, e.g. macOS).
+
+        Raises:
+            OSError: the file cannot be opened.
+        """
+        if not hasattr(os, "posix_fadvise"):
+            return 0
+        total = 0
+        for loc in self.locations[key]:
+            os.posix_fadvise(self._fd(loc.path), loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
+            total += loc.nbytes
+        return total
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
@@ -145,12 +163,20 @@ class HostCache:
             self._entries.move_to_end(key)
         return w
 
-    def slot_for(self, key: ExpertKey) -> ExpertWeights | None:
-        """A buffer to fill with `key`'s weights (evicting the LRU entry), or None if capacity is 0."""
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is cached (no LRU update)."""
+        return key in self._entries
+
+    def slot_for(self, key: ExpertKey, keep: AbstractSet[ExpertKey] = frozenset()) -> ExpertWeights | None:
+        """A buffer to fill with `key`'s weights, evicting the least recently used entry not in
+        `keep`; None if the capacity is 0 or every entry is in `keep`."""
         if self.capacity == 0:
             return None
         if len(self._entries) >= self.capacity:
-            _, w = self._entries.popitem(last=False)
+            victim = next((k for k in self._entries if k not in keep), None)
+            if victim is None:
+                return None
+            w = self._entries.pop(victim)
         else:
             inter, hidden = self._shape
             w = ExpertWeights(

@@ -92,14 +92,16 @@ class SparseMoE(nn.Module):
         2607.24434): the router's top-k is taken among the experts on the device now and
         renormalised to the mass the unrestricted top-k had, so a draft never waits for a
         load. The unrestricted choice is handed to the prefetcher: the verify pass will
-        need those experts. Nothing is counted as a hit or miss, and the eviction policy
-        does not see the draft."""
+        need those experts, and it is given to the eviction policy as a retention hint.
+        Nothing is counted as a hit or miss, and the policy sees no access for the draft."""
         probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         full_w, full_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] what the full model picks
         view = self.store.resident_view(self.layer_idx)
         resident = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
         resident[list(view)] = True
-        missing = sorted(set(full_ids.flatten().tolist()) - set(view))
+        wanted = set(full_ids.flatten().tolist())
+        self.store.hint(self.layer_idx, sorted(wanted))  # the verify pass routes these again: keep them
+        missing = sorted(wanted - set(view))
         if missing:
             self.store.prefetch(self.layer_idx, missing)
         masked = probs.masked_fill(~resident, -1.0)  # [T, E] non-resident experts rank last

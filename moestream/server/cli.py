@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from moestream import __version__
+from moestream.experts.policy import POLICY_NAMES
 
 if TYPE_CHECKING:
     import uvicorn
@@ -61,7 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "number of bytes (e.g. 2000000000); the rest stay on disk / in host memory (default: all resident)")
     x.add_argument("--expert-host-cache-bytes", type=int, default=0,
                    help="bytes of host memory caching experts between disk and device (default: 0)")
-    x.add_argument("--expert-policy", default="lru", choices=["lru", "lfu", "activation"],
+    x.add_argument("--expert-policy", default="lru", choices=list(POLICY_NAMES),
                    help="eviction policy of the expert slots (default: lru)")
     x.add_argument("--expert-prefetch", default="auto", choices=["auto", "none", "gate", "history"],
                    help="prefetch predicted experts: gate = next layer's router on this layer's input, "
