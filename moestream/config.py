@@ -567,12 +567,18 @@ class EngineConfig:
         expert_budget: device memory for routed experts: a fraction in (0, 1] of all their
             bytes, or an int number of bytes; None = all resident.
         expert_host_cache_bytes: bytes of host memory caching experts between disk and device.
-        expert_policy: eviction policy of the device slots: "lru", "lfu" or "activation".
+        expert_policy: eviction policy of the device slots: "next_use" (default: predicted next
+            use, the fewest misses on real routing traces), "lru", "lfu" or "activation".
         expert_prefetch: "gate" (next layer's router on this layer's input), "history"
             (co-activation statistics), "none", or "auto": gate on CUDA, none on CPU, where
             the prefetch thread competes with compute for the cores (bench/results/expert_offload.md).
             Only used when experts are paged.
         expert_pin_profile: JSON file {"layer": [expert ids]} of experts kept resident.
+        enable_elastic_memory: expert slots and KV blocks share one pool of expert_budget +
+            KV cache bytes (`ElasticMemory`): when running requests need more KV blocks than
+            are free, expert slots (free ones, then the policy's least valuable) become KV
+            blocks instead of a preemption, and they come back once no request waits.
+            Outputs are unchanged. Needs a paged expert budget. Off by default.
         record_routing: file to write the routing trace (request, token, layer, experts) to.
         max_resident_states: hybrid (linear-attention) models only: how many requests keep
             their conv/recurrent states on the device; the rest wait in host memory and are
@@ -613,9 +619,10 @@ class EngineConfig:
     max_logprobs: int = 20
     expert_budget: float | int | None = None
     expert_host_cache_bytes: int = 0
-    expert_policy: str = "lru"
+    expert_policy: str = "next_use"
     expert_prefetch: str = "auto"
     expert_pin_profile: str | None = None
+    enable_elastic_memory: bool = False
     record_routing: str | None = None
     max_resident_states: int | None = None
     mamba_ssm_cache_dtype: str = "float32"
@@ -680,6 +687,8 @@ class EngineConfig:
                                  f"e.g. {{\"image\": 4, \"video\": 1}}; got {lim!r}")
         if not is_int(self.max_image_pixels) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be a positive integer, got {self.max_image_pixels!r}")
+        if not isinstance(self.enable_elastic_memory, bool):
+            raise ValueError(f"enable_elastic_memory must be True or False, got {self.enable_elastic_memory!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

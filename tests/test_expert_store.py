@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from moestream import LLM, ModelConfig
+from moestream.experts.interface import ExpertWeights
 from moestream.experts.policy import LRUPolicy, make_policy
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.loader import CheckpointReader, expert_locations
@@ -85,7 +86,27 @@ def test_host_cache_miss_computed_in_place(qwen_cfg, locations, tensors) -> None
     for i, e in enumerate((0, 3)):
         torch.testing.assert_close(w[i].gate_up[32:], tensors[name.format(e, "up")], rtol=0, atol=0)
         torch.testing.assert_close(w[i].down, tensors[name.format(e, "down")], rtol=0, atol=0)
-    assert w[0].down.data_ptr() not in {store.down[i].data_ptr() for i in range(2)}
+    assert w[0].down.data_ptr() not in {v.down.data_ptr() for v in store._views.values()}
+
+
+def test_release_and_add_slots(qwen_cfg, locations) -> None:
+    """Elastic memory's side of the store: free slots go first, then the policy's victim (the
+    last call's experts included: it runs between forwards), never below top_k + pinned."""
+    store = make_store(qwen_cfg, locations, slots=5, pinned=[(0, 7)])
+    store.ensure(0, [1])
+    store.ensure(0, [2])
+    store.ensure(0, [1])  # LRU order: (0, 2), (0, 1); slots 3 and 4 are free
+    assert store.min_slots == qwen_cfg.num_experts_per_tok + 1 == 3
+    assert {store.release_slot(), store.release_slot()} == {3, 4} and store.resident_experts() == {(0, 1), (0, 2), (0, 7)}
+    assert store.num_slots == 3 and store.release_slot() is None
+    store.add_slot(4, ExpertWeights(torch.empty(64, 64), torch.empty(64, 32)))
+    assert store.release_slot() == 4
+    store.add_slot(3, ExpertWeights(torch.empty(64, 64), torch.empty(64, 32)))
+    store.ensure(0, [5])  # takes free slot 3
+    victim = store._slot_of[(0, 2)]
+    assert store.release_slot() == victim and store.resident_experts() == {(0, 1), (0, 5), (0, 7)}
+    with pytest.raises(ValueError, match="already belongs"):
+        store.add_slot(3, ExpertWeights(torch.empty(64, 64), torch.empty(64, 32)))
 
 
 def test_pinned_experts_never_evicted(qwen_cfg, locations) -> None:
@@ -100,7 +121,7 @@ def test_pinned_experts_never_evicted(qwen_cfg, locations) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([0, 2]), st.sets(st.integers(0, 7), min_size=1, max_size=3)), min_size=1, max_size=30),
-       st.sampled_from(["lru", "lfu", "activation"]), st.integers(3, 5))
+       st.sampled_from(["lru", "lfu", "activation", "next_use"]), st.integers(3, 5))
 def test_never_evicts_an_expert_in_use(qwen_cfg, locations, tensors, calls, policy, slots) -> None:
     store = make_store(qwen_cfg, locations, slots=slots, policy=policy)
     for layer, ids in calls:

@@ -99,21 +99,24 @@ class KVCacheManager:
         enable_prefix_caching: keep and hit full blocks' hashes.
         on_evict: called with a block's hash when the cached block is evicted (the hybrid
             models' state checkpoint keyed by it goes with it).
+        offline_blocks: block ids that start outside the pool (elastic memory: their bytes
+            hold expert slots); `add_blocks` / `remove_free_blocks` move blocks in and out.
 
     Raises:
-        ValueError: fewer than one block.
+        ValueError: fewer than one block in the pool.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 on_evict: Callable[[bytes], None] | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.num_blocks = num_blocks
+                 on_evict: Callable[[bytes], None] | None = None, offline_blocks: Sequence[int] = ()) -> None:
+        offline = set(offline_blocks)
+        if num_blocks - len(offline) < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks - len(offline)}")
+        self.num_blocks = num_blocks - len(offline)  # blocks in the pool now (held or free)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = PrefixCacheStats()
         self.on_evict = on_evict
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = evicted first
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(b for b in range(num_blocks) if b not in offline)
         self._ref_count = [0] * num_blocks
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -175,6 +178,12 @@ class KVCacheManager:
             self.stats.queries += num_tokens
             self.stats.hits += num_hit_tokens
 
+    def blocks_short(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
+        """How many more free blocks `allocate_slots` with these arguments would need (0 = it fits)."""
+        extra = self.blocks_needed(num_tokens) - len(self._tables.get(request_id, ())) - len(computed_blocks)
+        free_hits = sum(1 for b in computed_blocks if self._ref_count[b] == 0)
+        return max(0, extra - (len(self._free) - free_hits))
+
     def allocate_slots(self, request_id: str, num_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Ensure `request_id` has blocks for `num_tokens` tokens, its table starting with
         `computed_blocks` (prefix hits, only for a request with no blocks yet). Returns
@@ -198,17 +207,48 @@ class KVCacheManager:
             self._num_cached[request_id] = len(computed_blocks)
         for _ in range(max(extra, 0)):
             block, _ = self._free.popitem(last=False)
-            h = self._block_hash[block]
-            if h is not None:  # evict: reused for new tokens
-                del self._cached[h]
-                self._block_hash[block] = None
-                self.stats.evictions += 1
-                if self.on_evict is not None:
-                    self.on_evict(h)
+            self._uncache(block)  # evict: reused for new tokens
             self._ref_count[block] = 1
             table.append(block)
         self._tables[request_id] = table
         return True
+
+    def _uncache(self, block: int) -> None:
+        """Drop a free block's hash from the prefix cache (it is about to be overwritten)."""
+        h = self._block_hash[block]
+        if h is not None:
+            del self._cached[h]
+            self._block_hash[block] = None
+            self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(h)
+
+    def remove_free_blocks(self, block_ids: Sequence[int]) -> bool:
+        """Take `block_ids` out of the pool (elastic memory: their bytes become an expert
+        slot), all or nothing: False, taking nothing, unless every one is free. Cached ones
+        are evicted from the prefix cache."""
+        if not all(b in self._free for b in block_ids):
+            return False
+        for block in block_ids:
+            self._uncache(block)
+            del self._free[block]
+        self.num_blocks -= len(block_ids)
+        return True
+
+    def add_blocks(self, block_ids: Sequence[int]) -> None:
+        """Put blocks that were outside the pool into it, free and uncached (at the head of
+        the free queue: they hold nothing worth keeping).
+
+        Raises:
+            ValueError: a block is already in the pool.
+        """
+        for block in block_ids:
+            if block in self._free or self._ref_count[block] or self._block_hash[block] is not None:
+                raise ValueError(f"block {block} is already in the KV cache pool")
+        for block in block_ids:
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+        self.num_blocks += len(block_ids)
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                      mm_spans: Sequence[tuple[int, int, bytes]] = ()) -> None:

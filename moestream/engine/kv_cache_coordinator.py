@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moestream.engine.elastic_memory import ElasticMemory  # noqa: TC001
 from moestream.engine.kv_cache import KVCacheManager, PrefixCacheStats
 from moestream.engine.request import Request
 from moestream.engine.state_checkpoints import StateCheckpointPool
@@ -82,6 +83,7 @@ class KVCacheCoordinator:
         checkpoints: hybrid models with prefix caching: the state checkpoint pool.
         state_checkpoint_interval: tokens between checkpoints in a prompt (a multiple of
             the block size).
+        elastic: the page pool shared with the expert store (`ElasticMemory`), or None.
 
     Raises:
         ValueError: an interval that is not a positive multiple of the block size.
@@ -93,6 +95,7 @@ class KVCacheCoordinator:
         state_pool: StatePool | None = None,
         checkpoints: StateCheckpointPool | None = None,
         state_checkpoint_interval: int = 512,
+        elastic: ElasticMemory | None = None,
     ) -> None:
         if state_checkpoint_interval < 1 or state_checkpoint_interval % kv.block_size:
             raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {kv.block_size}, "
@@ -101,6 +104,7 @@ class KVCacheCoordinator:
         self.state_pool = state_pool
         self.checkpoints = checkpoints
         self.interval = state_checkpoint_interval
+        self.elastic = elastic
         if checkpoints is not None:
             kv.on_evict = checkpoints.drop  # a checkpoint goes with the block it ends on
         self._restore: dict[str, bytes] = {}  # request id -> checkpoint to restore at its first forward
@@ -138,10 +142,25 @@ class KVCacheCoordinator:
             j -= 1
         return PrefixHit(blocks[:j], j * bs, hashes[j - 1] if j else None, len(blocks) * bs)
 
-    def allocate_slots(self, req: Request, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_tokens: int, hit: PrefixHit | None = None,
+                       may_grow: bool = False) -> bool:
         """Blocks for `num_tokens` of `req`'s tokens (a new request's table starts with
-        `hit.blocks`). Returns False, taking nothing, when the pool is too small."""
-        return self.kv.allocate_slots(req.request_id, num_tokens, hit.blocks if hit is not None else ())
+        `hit.blocks`). Returns False, taking nothing, when the pool is too small. With
+        `may_grow` (a running request) and elastic memory, expert slots are turned into KV
+        blocks first."""
+        computed = hit.blocks if hit is not None else ()
+        if self.kv.allocate_slots(req.request_id, num_tokens, computed):
+            return True
+        if not may_grow or self.elastic is None:
+            return False
+        self.elastic.grow_kv(self.kv.blocks_short(req.request_id, num_tokens, computed))
+        return self.kv.allocate_slots(req.request_id, num_tokens, computed)
+
+    def release_kv(self, reserve_blocks: int) -> None:
+        """KV demand fell (no request waits): elastic memory gives borrowed pages whose blocks
+        are all free back to the expert store, keeping `reserve_blocks` free blocks."""
+        if self.elastic is not None:
+            self.elastic.shrink_kv(reserve_blocks)
 
     def admit(self, req: Request, hit: PrefixHit) -> None:
         """Record an admitted request's hit: it starts at `hit.num_tokens`, its state comes

@@ -13,6 +13,7 @@ import torch
 from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import InputProcessor, PromptType
+from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, num_kv_blocks
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
@@ -112,15 +113,22 @@ class LLMEngine:
                                                                  self.dtype)
         num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, self.max_model_len,
                                    config.max_num_seqs)
-        kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching)
+        elastic = self.elastic_memory
+        if elastic is not None:
+            num_blocks = elastic.num_blocks
+        kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
+                                  offline_blocks=elastic.offline_blocks() if elastic is not None else ())
+        if elastic is not None:
+            elastic.bind(self.expert_store, kv_cache)
         self.state_pool = self._make_state_pool(mcfg) if mcfg.is_hybrid else None
         checkpoints = None
         if self.state_pool is not None and config.enable_prefix_caching:
             checkpoints = StateCheckpointPool(self.state_pool, config.state_checkpoint_host_bytes)
-        self.coordinator = KVCacheCoordinator(kv_cache, self.state_pool, checkpoints, config.state_checkpoint_interval)
+        self.coordinator = KVCacheCoordinator(kv_cache, self.state_pool, checkpoints, config.state_checkpoint_interval,
+                                              elastic)
         self.scheduler = Scheduler(self.coordinator, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, bs, self.dtype, self.device, self.state_pool, self.recorder,
-                                  self.mtp, self.vision)
+                                  self.mtp, self.vision, elastic.kv_caches() if elastic is not None else None)
         self.sampler = Sampler(config.seed, self.device)
         eos = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -150,8 +158,13 @@ class LLMEngine:
                 f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
                 f"prefetch {config.resolved_expert_prefetch}"
                 f"{' into slots' if self.device.type == 'cuda' else ' as page-cache read-ahead'}"),
-            num_blocks, bs, block_bytes, num_blocks * block_bytes / 2**20, self.max_model_len,
+            kv_cache.num_blocks, bs, block_bytes, kv_cache.num_blocks * block_bytes / 2**20, self.max_model_len,
         )
+        if self.elastic_memory is not None:
+            st = self.elastic_memory.stats()
+            logger.info("elastic memory: %d pages of %d bytes (one expert slot or %d KV blocks each), %d start as "
+                        "expert slots and %d as KV blocks", st["num_pages"], st["page_bytes"], st["blocks_per_page"],
+                        st["expert_pages"], st["kv_pages"])
         if self.state_pool is not None:
             pool = self.state_pool
             logger.info(
@@ -207,6 +220,21 @@ class LLMEngine:
             config.expert_host_cache_bytes,
         )
         store: ResidentExpertStore | PagedExpertStore
+        sc = config.speculative_config
+        self.elastic_memory = None
+        if config.enable_elastic_memory:
+            if plan.resident:
+                raise ValueError("enable_elastic_memory shares memory between paged experts and the KV cache; give "
+                                 "an expert_budget below the routed experts' size (e.g. 0.5)")
+            num_kv_layers = len(mcfg.attention_layers) + (sc is not None and sc.method == "mtp")
+            if num_kv_layers == 0:
+                raise ValueError("enable_elastic_memory needs a model with attention layers")
+            geometry = PageGeometry(mcfg.moe_intermediate_size, mcfg.hidden_size, num_kv_layers, config.block_size,
+                                    mcfg.num_kv_heads, mcfg.head_dim)
+            kv_blocks = num_kv_blocks(config.kv_cache_memory_bytes, geometry.block_elems * elem, config.block_size,
+                                      self.max_model_len, config.max_num_seqs)
+            self.elastic_memory = ElasticMemory(geometry, plan.num_slots, -(-kv_blocks // geometry.blocks_per_page),
+                                                self.dtype, self.device)
         if plan.resident:
             store = ResidentExpertStore(self.recorder)
         else:
@@ -216,6 +244,7 @@ class LLMEngine:
                 plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolved_expert_prefetch,
                 "slots" if self.device.type == "cuda" else "page_cache", mcfg.num_experts_per_tok, self.recorder,
                 compute_in_place=self.device.type == "cpu",
+                slot_views=self.elastic_memory.expert_views() if self.elastic_memory is not None else None,
             )
         model = build_model(mcfg, reader, self.dtype, self.device, TorchAttentionBackend(), store)
         if plan.resident:
@@ -223,7 +252,6 @@ class LLMEngine:
         self.expert_store = store
         self.vision = load_vision_encoder(mcfg.multimodal, reader, self.dtype, self.device) if (
             mcfg.multimodal is not None) else None
-        sc = config.speculative_config
         self.mtp = load_mtp(mcfg, reader, self.dtype, self.device, TorchAttentionBackend()) if (
             sc is not None and sc.method == "mtp") else None
         return model
@@ -235,8 +263,12 @@ class LLMEngine:
 
     def expert_stats(self) -> dict:
         """Expert-cache metrics (see ExpertStats.as_dict): hit_rate, hits, misses, stall_seconds,
-        bytes_read, per-layer and per-tier figures."""
-        return self.expert_store.stats()
+        bytes_read, per-layer and per-tier figures; with elastic memory, `elastic_memory`:
+        its pages per owner and resizes so far."""
+        stats = self.expert_store.stats()
+        if self.elastic_memory is not None:
+            stats["elastic_memory"] = self.elastic_memory.stats()
+        return stats
 
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache figures (`KVCacheCoordinator.prefix_cache_stats`): enabled, queries

@@ -51,6 +51,7 @@ class ModelRunner:
         recorder: RoutingRecorder | None = None,
         mtp: MTPLayer | None = None,
         vision: VisionEncoder | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         cfg = model.config
         self.vision = vision
@@ -60,13 +61,12 @@ class ModelRunner:
         self.state_pool = state_pool
         self.recorder = recorder
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in cfg.attention_layers
-        ]
+        if kv_caches is None:  # else given: an elastic memory pool's views, the MTP layer's last
+            kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                         for _ in range(len(cfg.attention_layers) + (mtp is not None))]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = kv_caches[: len(cfg.attention_layers)]
         self.mtp = mtp  # speculative method "mtp": the checkpoint's MTP layer, with its own KV cache
-        self.mtp_kv = ((torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                       if mtp is not None else None)
+        self.mtp_kv = kv_caches[len(cfg.attention_layers)] if mtp is not None else None
         self._last_hidden: torch.Tensor | None = None
         self._last_rows: dict[str, tuple[int, int]] = {}
 

@@ -5,7 +5,8 @@ Each step, running requests are served first, each taking min(tokens left to com
 budget left). When the KV pool cannot hold a request's next tokens, the newest running
 request not yet scheduled this step is preempted: its blocks and state are freed, its
 computed count reset to 0, and it goes back to the front of the waiting queue, to be
-recomputed later. Waiting requests are admitted while the budget, `max_num_seqs` and blocks
+recomputed later (with elastic memory, the expert store first gives up slots as KV blocks,
+and gets them back once nobody waits). Waiting requests are admitted while the budget, `max_num_seqs` and blocks
 allow, and only in a step that preempted nothing; with prefix caching, an admitted request
 starts after the longest usable cached prefix of its tokens (`KVCacheCoordinator.find_prefix`).
 
@@ -78,7 +79,7 @@ class Scheduler:
                     req.spec_token_ids = []  # drafts only ride on a decode
                 n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
                 del req.spec_token_ids[max(n - 1, 0):]  # drafts count against the token budget
-                while not self.coordinator.allocate_slots(req, req.num_computed_tokens + n):
+                while not self.coordinator.allocate_slots(req, req.num_computed_tokens + n, may_grow=True):
                     victim = next(r for r in reversed(self.running) if r.request_id not in chosen)
                     self.running.remove(victim)
                     self._preempt(victim)
@@ -108,6 +109,8 @@ class Scheduler:
                 budget -= n
         for req, _ in out.scheduled:
             self._turns.move_to_end(req.request_id)
+        if not self.waiting:  # KV demand fell: elastic memory gives borrowed pages back
+            self.coordinator.release_kv(reserve_blocks=len(self.running))
         if out.scheduled:
             out.states = self.coordinator.prepare_states(out.scheduled)
         return out
@@ -136,3 +139,5 @@ class Scheduler:
             self.waiting.remove(req)
         self._turns.pop(req.request_id, None)
         self.coordinator.free(req)
+        if not self.waiting:  # KV demand fell: elastic memory gives borrowed pages back
+            self.coordinator.release_kv(reserve_blocks=len(self.running))

@@ -46,6 +46,10 @@ class PagedExpertStore:
         num_experts, inter, hidden: expert count and shapes (I, H).
         dtype, device: compute dtype and device of the slots.
         num_slots: device slots (>= top_k + len(pinned)).
+        slot_views: the slots' memory, one ExpertWeights view per slot id 0..num_slots-1 (an
+            elastic memory pool's pages); None = the store allocates stacked [S, 2I, H] and
+            [S, H, I] tensors. With an elastic pool, slots come and go (`release_slot`,
+            `add_slot`) and a slot id is the pool's page id.
         host_cache_experts: experts the host cache may hold (0 = none).
         policy: eviction policy.
         pinned: experts loaded at start and never evicted.
@@ -90,6 +94,7 @@ class PagedExpertStore:
         top_k: int = 1,
         recorder: RoutingRecorder | None = None,
         compute_in_place: bool = False,
+        slot_views: Sequence[ExpertWeights] | None = None,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
@@ -104,9 +109,13 @@ class PagedExpertStore:
         self.pinned = frozenset(pinned)
         self.recorder = recorder
         self.metrics = ExpertStats(num_layers)
-        self.gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)  # [S, 2I, H]
-        self.down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)  # [S, H, I]
-        self.expert_bytes = (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+        if slot_views is None:
+            gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)  # [S, 2I, H]
+            down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)  # [S, H, I]
+            slot_views = [ExpertWeights(gate_up[i], down[i]) for i in range(num_slots)]
+        self._views: dict[int, ExpertWeights] = dict(enumerate(slot_views[:num_slots]))  # slot id -> its memory
+        self.min_slots = top_k + len(pinned)
+        self.expert_bytes = 3 * inter * hidden * torch.empty(0, dtype=dtype).element_size()
         self._disk = DiskTier(locations)
         self._prefetch_disk = DiskTier(locations)
         self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda")
@@ -186,7 +195,7 @@ class PagedExpertStore:
                     self.metrics.hits[layer] += 1
                     if self._unused_prefetched.pop(key, None) is not None:
                         self.metrics.prefetch_hits += 1
-                    out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
+                    out.append(self._views[slot])
                     continue
                 self.metrics.misses[layer] += 1
                 cached = self._host.get(key) if self.compute_in_place else None
@@ -199,7 +208,7 @@ class PagedExpertStore:
                 slot = self._claim_slot_waiting(layer)
                 self._load_into(slot, key, keep=in_place)
                 self.metrics.stall_seconds += time.perf_counter() - start
-                out.append(ExpertWeights(self.gate_up[slot], self.down[slot]))
+                out.append(self._views[slot])
         return out
 
     def resident_view(self, layer: int) -> dict[int, ExpertWeights]:
@@ -209,10 +218,40 @@ class PagedExpertStore:
         with self._queue.lock:
             keys = [k for k in self._slot_of if k[0] == layer and k not in self._loading]
             self._in_use = frozenset(keys)  # the prefetch worker leaves them in place meanwhile
-            return {e: ExpertWeights(self.gate_up[self._slot_of[(layer, e)]], self.down[self._slot_of[(layer, e)]])
-                    for _, e in keys}
+            return {e: self._views[self._slot_of[(layer, e)]] for _, e in keys}
 
     # ---- slots -----------------------------------------------------------------------
+
+    def release_slot(self) -> int | None:
+        """Give up one slot (elastic memory: its bytes become KV blocks): a free slot if there
+        is one, else the policy's victim among the evictable experts (not pinned, not loading)
+        as the first MoE layer of the next step needs a slot. Call it between forwards only:
+        the experts of the last `ensure` are taken to be no longer in use. Returns its slot
+        id, or None when the store is at its minimum (top_k + pinned slots)."""
+        with self._queue.lock:
+            if self.num_slots <= self.min_slots:
+                return None
+            self._in_use = frozenset()
+            try:
+                slot = self._free.pop() if self._free else self._claim_slot(self.moe_layers[0])
+            except RuntimeError:
+                return None
+            del self._views[slot]
+            self.num_slots -= 1
+            return slot
+
+    def add_slot(self, slot: int, views: ExpertWeights) -> None:
+        """Take a slot (elastic memory: a page given back by the KV cache), free.
+
+        Raises:
+            ValueError: `slot` is already one of the store's slots.
+        """
+        with self._queue.lock:
+            if slot in self._views:
+                raise ValueError(f"slot {slot} already belongs to the expert store")
+            self._views[slot] = views
+            self._free.append(slot)
+            self.num_slots += 1
 
     def _claim_slot(self, layer: int) -> int:
         """A free slot, or one freed by evicting the policy's victim (caller holds the lock).
@@ -252,7 +291,7 @@ class PagedExpertStore:
 
         Copies are synchronous: a host-cache buffer may be refilled right after this returns.
         """
-        gate_up, down = self.gate_up[slot], self.down[slot]
+        gate_up, down = self._views[slot]
         cached = self._host.get(key)
         if cached is not None:
             gate_up.copy_(cached.gate_up)
@@ -299,7 +338,7 @@ class PagedExpertStore:
                 return
             self._loading.add(key)
             # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
-        gate_up, down = self.gate_up[slot], self.down[slot]
+        gate_up, down = self._views[slot]
         try:
             nbytes = self._prefetch_disk.read_into(key, gate_up, down)
         except Exception:

@@ -75,10 +75,13 @@ class TorchAttentionBackend:
         sliding_window: int | None,
     ) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)  # [T, Hq, D]
         bs = meta.block_size
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            if cache.is_contiguous():
+                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new)
+            else:  # an elastic memory pool's strided view: index (block, offset)
+                cache.index_put_((meta.slot_mapping // bs, meta.slot_mapping % bs), new)
+        out = torch.empty_like(q)  # [T, Hq, D]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
         batched = set(decodes) if len(decodes) > 1 else set()

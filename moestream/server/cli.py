@@ -62,11 +62,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "number of bytes (e.g. 2000000000); the rest stay on disk / in host memory (default: all resident)")
     x.add_argument("--expert-host-cache-bytes", type=int, default=0,
                    help="bytes of host memory caching experts between disk and device (default: 0)")
-    x.add_argument("--expert-policy", default="lru", choices=list(POLICY_NAMES),
-                   help="eviction policy of the expert slots (default: lru)")
+    x.add_argument("--expert-policy", default="next_use", choices=list(POLICY_NAMES),
+                   help="eviction policy of the expert slots; next_use = eviction by predicted next use (default: next_use)")
     x.add_argument("--expert-prefetch", default="auto", choices=["auto", "none", "gate", "history"],
                    help="prefetch predicted experts: gate = next layer's router on this layer's input, "
                         "history = co-activation statistics, auto = gate on CUDA and none on CPU (default: auto)")
+    x.add_argument("--enable-elastic-memory", action="store_true",
+                   help="share one pool of expert-budget + KV-cache bytes between expert slots and KV blocks: "
+                        "expert slots become KV blocks when running requests need them, and come back when no "
+                        "request waits (needs --expert-budget below 1)")
     x.add_argument("--expert-pin-profile", default=None,
                    help='JSON file {"layer": [expert ids]} of hot experts kept resident')
     x.add_argument("--record-routing", default=None, metavar="FILE",
@@ -167,7 +171,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 expert_budget=args.expert_budget, expert_host_cache_bytes=args.expert_host_cache_bytes,
                 expert_policy=args.expert_policy, expert_prefetch=args.expert_prefetch,
-                expert_pin_profile=args.expert_pin_profile, record_routing=args.record_routing,
+                expert_pin_profile=args.expert_pin_profile, enable_elastic_memory=args.enable_elastic_memory,
+                record_routing=args.record_routing,
                 max_resident_states=args.max_resident_states, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                 generation_config=args.generation_config, max_logprobs=args.max_logprobs,
                 enable_prefix_caching=args.enable_prefix_caching,
