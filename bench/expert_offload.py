@@ -77,8 +77,15 @@ def disk_bandwidth(path: str, read_bytes: int, nbytes: int = 256 << 20) -> float
     return done / (time.perf_counter() - start)
 
 
+TEXT_PROMPTS = [  # real text for a trained model (`--model`): its routing is real routing
+    "def parse_args(argv):", "class LRUCache:\n    def __init__(self, capacity):", "import os\nimport sys\n\ndef main():",
+    "def fibonacci(n):", "for line in open(path):", "def read_config(path):\n    with open(path) as f:",
+    "try:\n    import json\nexcept ImportError:", "def merge_sort(items):",
+]
+
+
 def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str, policy: str,
-            host_cache_bytes: int, dtype: str) -> dict:
+            host_cache_bytes: int, dtype: str, text: bool) -> dict:
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
@@ -88,7 +95,8 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
               expert_host_cache_bytes=host_cache_bytes)
     load_s = time.perf_counter() - t0
     rng = random.Random(1)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(prompt_len)]} for _ in range(batch)]
+    prompts = ([TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(batch)] if text else
+               [{"prompt_token_ids": [rng.randrange(100, 100000) for _ in range(prompt_len)]} for _ in range(batch)])
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = llm.expert_stats()
     t1 = time.perf_counter()
@@ -127,7 +135,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckpt", default="/tmp/moestream-offload-ckpt")
     ap.add_argument("--model", default=None,
-                    help="an existing checkpoint directory or 'demo' (the built-in demo model) instead of --ckpt")
+                    help="an existing trained checkpoint directory or 'demo' (the built-in demo model) instead of "
+                         "--ckpt; prompts are then code snippets, so the routing is the model's real routing")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--experts", type=int, default=64)
@@ -167,7 +176,7 @@ def main() -> int:
             for setting in (paged if budget < 1.0 else [("none", "lru", 0.0)])]
     for batch, budget, (prefetch, policy, host) in runs:
         row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len, prefetch, policy,
-                      int(host * expert_total), args.dtype)
+                      int(host * expert_total), args.dtype, text=args.model is not None)
         # misses computed in place from the host cache read nothing from the disk
         row["io_floor_tpot_s"] = (row["missed_bytes"] - row["host_computed"] * 3 * expert_tensor_bytes) / bw / (
             args.max_tokens + 1)

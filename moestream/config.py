@@ -570,9 +570,10 @@ class EngineConfig:
         expert_policy: eviction policy of the device slots: "next_use" (default: predicted next
             use, the fewest misses on real routing traces), "lru", "lfu" or "activation".
         expert_prefetch: "gate" (next layer's router on this layer's input), "history"
-            (co-activation statistics), "none", or "auto": gate on CUDA, none on CPU, where
-            the prefetch thread competes with compute for the cores (bench/results/expert_offload.md).
-            Only used when experts are paged.
+            (co-activation statistics), "none", or "auto": gate on CUDA (loads into device
+            slots), none on CPU. On CPU a prefetch is only page-cache read-ahead, measured no
+            faster than none at 25% of experts (bench/results/expert_offload.md). Only used
+            when experts are paged.
         expert_pin_profile: JSON file {"layer": [expert ids]} of experts kept resident.
         enable_elastic_memory: expert slots and KV blocks share one pool of expert_budget +
             KV cache bytes (`ElasticMemory`): when running requests need more KV blocks than
