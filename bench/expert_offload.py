@@ -3,7 +3,7 @@
 Makes (once) a Qwen3-MoE-shaped checkpoint with ~3 GiB of random bf16 experts (or takes
 `--model`, e.g. the built-in demo model, for real routing), then for each budget (100, 50,
 25, 12.5 % of the routed-expert bytes), batch size (1, 8), eviction policy, prefetch mode and
-host-cache setting runs greedy decoding from a cold page cache and reports TPOT, tokens/s,
+host-cache and elastic-memory setting runs greedy decoding from a cold page cache and reports TPOT, tokens/s,
 expert hit rate, stall share, bytes read, misses computed in place from the host cache, and
 the I/O floor (bytes missed / measured disk bandwidth) next to TPOT. On a CPU device,
 prefetch is page-cache read-ahead and a host-cache miss is computed where it lies.
@@ -85,14 +85,24 @@ TEXT_PROMPTS = [  # real text for a trained model (`--model`): its routing is re
 
 
 def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str, policy: str,
-            host_cache_bytes: int, dtype: str, text: bool) -> dict:
+            host_cache_bytes: int, dtype: str, text: bool, elastic: bool, kv_cache_blocks: int | None) -> dict:
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
     t0 = time.perf_counter()
-    llm = LLM(ckpt, dtype=dtype, max_model_len=prompt_len + max_tokens + 8, max_num_seqs=batch,
+    max_model_len = prompt_len + max_tokens + 8
+    kv_bytes = None
+    if kv_cache_blocks is not None:  # a small KV cache: KV demand passes the static split
+        from moestream import ModelConfig
+        from moestream.engine.kv_cache import kv_block_bytes
+
+        mc = ModelConfig.from_hf(ckpt)
+        kv_bytes = kv_cache_blocks * kv_block_bytes(len(mc.attention_layers), 16, mc.num_kv_heads, mc.head_dim,
+                                                    getattr(torch, dtype))
+    llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=batch,
               expert_budget=None if budget >= 1.0 else budget, expert_prefetch=prefetch, expert_policy=policy,
-              expert_host_cache_bytes=host_cache_bytes)
+              expert_host_cache_bytes=host_cache_bytes, kv_cache_memory_bytes=kv_bytes,
+              enable_elastic_memory=elastic and budget < 1.0)
     load_s = time.perf_counter() - t0
     rng = random.Random(1)
     prompts = ([TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(batch)] if text else
@@ -112,6 +122,9 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
         "policy": policy if budget < 1.0 else "-",
         "host_cache_bytes": host_cache_bytes if budget < 1.0 else 0,
         "host_computed": stats.get("host_computed", 0),
+        "elastic": elastic and budget < 1.0,
+        "preemptions": llm.llm_engine.scheduler.num_preemptions,
+        "elastic_resizes": stats.get("elastic_memory", {}).get("resizes", 0),
         "load_seconds": load_s,
         "tpot_s": sum(tpots) / len(tpots),
         "ttft_s": sum(o.metrics.ttft for o in outs) / len(outs),
@@ -146,6 +159,10 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prefetch", default="none,gate", help="prefetch modes to compare at budgets below 100%%")
     ap.add_argument("--policies", default="lru,next_use", help="eviction policies to compare at budgets below 100%%")
+    ap.add_argument("--elastic", default="off", help="elastic memory settings to compare: off, on or off,on")
+    ap.add_argument("--kv-cache-blocks", type=int, default=None,
+                    help="KV cache size in 16-token blocks (default: enough for the batch); below the batch's need, "
+                         "the static split preempts and elastic memory borrows expert slots")
     ap.add_argument("--host-cache", default="0",
                     help="host-cache sizes to compare, as fractions of the routed-expert bytes (default: 0)")
     ap.add_argument("--max-tokens", type=int, default=16)
@@ -168,15 +185,17 @@ def main() -> int:
     bw = disk_bandwidth(args.ckpt, expert_tensor_bytes, args.bandwidth_bytes)
     print(f"routed experts: {expert_total / 2**30:.2f} GiB; cold random-read bandwidth {bw / 2**20:.0f} MiB/s", flush=True)
     rows = []
-    paged = [(prefetch, policy, float(host)) for prefetch in args.prefetch.split(",")
-             for policy in args.policies.split(",") for host in args.host_cache.split(",")]
+    paged = [(prefetch, policy, float(host), elastic == "on") for prefetch in args.prefetch.split(",")
+             for policy in args.policies.split(",") for host in args.host_cache.split(",")
+             for elastic in args.elastic.split(",")]
     runs = [(batch, budget, setting)
             for batch in [int(b) for b in args.batches.split(",")]
             for budget in [float(b) for b in args.budgets.split(",")]
-            for setting in (paged if budget < 1.0 else [("none", "lru", 0.0)])]
-    for batch, budget, (prefetch, policy, host) in runs:
+            for setting in (paged if budget < 1.0 else [("none", "lru", 0.0, False)])]
+    for batch, budget, (prefetch, policy, host, elastic) in runs:
         row = run_one(args.ckpt, budget, batch, args.max_tokens, args.prompt_len, prefetch, policy,
-                      int(host * expert_total), args.dtype, text=args.model is not None)
+                      int(host * expert_total), args.dtype, text=args.model is not None, elastic=elastic,
+                      kv_cache_blocks=args.kv_cache_blocks)
         # misses computed in place from the host cache read nothing from the disk
         row["io_floor_tpot_s"] = (row["missed_bytes"] - row["host_computed"] * 3 * expert_tensor_bytes) / bw / (
             args.max_tokens + 1)
@@ -195,12 +214,16 @@ def main() -> int:
         r.pop("output_token_ids")
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
-    lines = ["| budget | batch | prefetch | policy | host cache | TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | "
-             "in place | stall share | read (GiB) | wasted prefetch (GiB) |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    elastic_cols = args.elastic != "off"
+    lines = ["| budget | batch | prefetch | policy | host cache | " + ("elastic | preempted | resizes | " if elastic_cols
+                                                                    else "") +
+             "TPOT (ms) | I/O floor (ms/token) | tok/s | hit rate | in place | stall share | read (GiB) | "
+             "wasted prefetch (GiB) |",
+             "|---:|---:|---|---|---:|" + ("---|---:|---:|" if elastic_cols else "") + "---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        extra = f"{'on' if r['elastic'] else 'off'} | {r['preemptions']} | {r['elastic_resizes']} | " if elastic_cols else ""
         lines.append(f"| {r['budget']:.1%} | {r['batch']} | {r['prefetch']} | {r['policy']} | "
-                     f"{r['host_cache_bytes'] / expert_total:.0%} | {r['tpot_s'] * 1e3:.1f} | "
+                     f"{r['host_cache_bytes'] / expert_total:.0%} | {extra}{r['tpot_s'] * 1e3:.1f} | "
                      f"{r['io_floor_tpot_s'] * 1e3:.1f} | {r['tokens_per_s']:.2f} | {r['hit_rate']:.3f} | "
                      f"{r['host_computed']} | {r['stall_share']:.0%} | {r['bytes_read'] / 2**30:.2f} | {r['wasted_prefetch_bytes'] / 2**30:.2f} |")
     with open(args.out + ".md", "w") as f:
@@ -214,15 +237,18 @@ def main() -> int:
 
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         for batch in sorted({r["batch"] for r in rows}):
-            for prefetch, policy, host in paged:
+            for prefetch, policy, host, elastic in paged:
                 rs = [r for r in rows if r["batch"] == batch and (r["prefetch"] == "-" or (
-                    r["prefetch"], r["policy"], r["host_cache_bytes"]) == (prefetch, policy, int(host * expert_total)))]
+                    r["prefetch"], r["policy"], r["host_cache_bytes"], r["elastic"]) == (
+                    prefetch, policy, int(host * expert_total), elastic))]
                 xs = [r["budget"] * 100 for r in rs]
-                label = f"batch {batch}, {policy}, prefetch {prefetch}" + (f", host {host:.0%}" if host else "")
+                label = (f"batch {batch}, {policy}, prefetch {prefetch}" + (f", host {host:.0%}" if host else "")
+                         + (", elastic" if elastic else ""))
                 ax[0].plot(xs, [r["tpot_s"] * 1e3 for r in rs], "o-", label=f"TPOT, {label}")
                 ax[1].plot(xs, [r["hit_rate"] for r in rs], "o-", label=label)
             rs = [r for r in rows if r["batch"] == batch and (r["prefetch"] == "-" or (
-                r["prefetch"], r["policy"], r["host_cache_bytes"]) == paged[0][:2] + (int(paged[0][2] * expert_total),))]
+                r["prefetch"], r["policy"], r["host_cache_bytes"], r["elastic"]) == paged[0][:2] + (
+                int(paged[0][2] * expert_total), paged[0][3]))]
             ax[0].plot([r["budget"] * 100 for r in rs], [r["io_floor_tpot_s"] * 1e3 for r in rs], "x--",
                        label=f"I/O floor (misses / cold bandwidth), batch {batch}")
         ax[0].set(xlabel="expert budget (% of routed-expert bytes)", ylabel="ms per output token", yscale="log")

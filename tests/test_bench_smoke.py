@@ -12,9 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_expert_offload_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
     out = str(tmp_path / "offload")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "expert_offload.py"), "--ckpt", qwen3_moe_dir,
-           "--budgets", "1.0,0.5", "--batches", "2", "--max-tokens", "3", "--prompt-len", "4",
-           "--prefetch", "gate", "--policies", "next_use", "--host-cache", "0,1", "--bandwidth-bytes", "65536",
-           "--out", out]
+           "--budgets", "1.0,0.5", "--batches", "2", "--max-tokens", "3", "--prompt-len", "16",
+           "--prefetch", "gate", "--policies", "next_use", "--host-cache", "0,1", "--elastic", "on",
+           "--kv-cache-blocks", "2", "--bandwidth-bytes", "65536", "--out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.load(open(out + ".json"))
@@ -25,6 +25,10 @@ def test_expert_offload_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
     assert rows[0]["hit_rate"] == 1.0 and rows[1]["missed_bytes"] > 0
     assert rows[1]["host_computed"] == 0 < rows[2]["host_computed"]  # a host cache: misses computed in place
     assert rows[2]["io_floor_tpot_s"] < rows[1]["io_floor_tpot_s"]
+    # 2 requests of 16 + 3 tokens need 4 blocks of 16 tokens, the KV cache holds 2: the
+    # static split preempts, elastic memory borrows expert slots instead
+    assert rows[0]["preemptions"] >= 1 and not rows[0]["elastic"]
+    assert rows[1]["elastic"] and rows[1]["preemptions"] == 0 < rows[1]["elastic_resizes"]
     assert open(out + ".md").read().count("\n") == 2 + 3
 
 

@@ -38,7 +38,9 @@ def test_paged_engine_with_prefetch_thread_freed_without_gc(qwen3_moe_dir: str) 
         llm.generate(["page me"], SamplingParams(temperature=0, max_tokens=4))
         assert threading.active_count() == threads0 + 1  # the prefetch worker
         engine_ref = weakref.ref(llm.llm_engine)
-        slots_ref = weakref.ref(llm.llm_engine.expert_store.gate_up)
+        slot = next(iter(llm.llm_engine.expert_store._views.values()))
+        slots_ref = weakref.ref(slot.gate_up._base)  # the stacked [S, 2I, H] slot tensor
+        del slot
         del llm
         assert engine_ref() is None and slots_ref() is None
         for _ in range(100):  # the worker notices within its wait and exits

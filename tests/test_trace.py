@@ -164,7 +164,7 @@ def test_simulate_contract(accesses: list[tuple[int, tuple[int, ...]]], capacity
 
 
 def test_policies_below_belady_on_real_trace() -> None:
-    trace = RoutingTrace.from_deepseek_npz(DEEPSEEK_TRACE, max_prompts=14)
+    trace = RoutingTrace.from_deepseek_npz(DEEPSEEK_TRACE, max_prompts=8)
     future = future_of(trace)
     for capacity in (96, 416):
         best = simulate(trace, BeladyPolicy(future), capacity).hit_rate
