@@ -177,9 +177,9 @@ def trace_sim_main(argv: list[str] | None = None) -> int:
                                             "Belady's optimum per policy and pool size.")
     p.add_argument("trace", help="a moestream trace .npz or the DeepSeek prompt-routing .npz")
     p.add_argument("--format", default="auto", choices=["auto", "moestream", "deepseek"])
-    p.add_argument("--cache-sizes", default="0.05,0.1,0.25",
+    p.add_argument("--cache-sizes", default="0.1,0.25,0.5",
                    help="pool sizes in slots, comma-separated; a value below 1 is a fraction of the "
-                        "trace's distinct (layer, expert) keys (default: 0.05,0.1,0.25)")
+                        "trace's distinct (layer, expert) keys (default: 0.1,0.25,0.5)")
     p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
     p.add_argument("--interleave", type=int, default=1, help="DeepSeek: prompts served concurrently (default: 1)")
     p.add_argument("--max-prompts", type=int, default=200,
