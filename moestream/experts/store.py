@@ -311,13 +311,10 @@ class PagedExpertStore:
     def prefetch_one(self, key: ExpertKey) -> None:
         """Load one predicted expert into a slot, or advise the kernel to read it ahead
         (`prefetch_target`); called by the prefetch worker."""
-        with self._queue.lock:
-            if key in self._slot_of or key in self._loading:
-                return
-            if self.prefetch_target == "page_cache":
-                if key in self._host:
-                    return
         if self.prefetch_target == "page_cache":  # the kernel reads; this thread only asks
+            with self._queue.lock:
+                if key in self._slot_of or key in self._host:
+                    return
             try:
                 nbytes = self._prefetch_disk.advise(key)
             except OSError:
