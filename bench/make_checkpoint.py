@@ -7,9 +7,13 @@ Presets (all with the real Qwen2 tokenizer, `tests/fixtures/tokenizers/qwen2`):
   (~3.0 GiB of experts in bf16);
 - `hybrid-medium`: Qwen3-Next at the same scale (Gated DeltaNet with head dim 128, one
   gated full-attention layer in four, a shared expert);
-- `dsv2lite`: DeepSeek-V2-Lite shapes (~30 GiB; built only when named). moestream does
-  not load DeepSeek models yet; this is for the peers. Its vocabulary is the Qwen2
-  tokenizer's (151936), not DeepSeek's 102400, since no DeepSeek tokenizer ships here.
+- `dsv2lite`: DeepSeek-V2-Lite shapes (~30 GiB; built only when named). Its vocabulary is
+  the Qwen2 tokenizer's (151936), not DeepSeek's 102400, since no DeepSeek tokenizer ships here.
+- `dsv2-small`: DeepSeek-V2 at `small`'s scale with the real MLA dims (kv_lora_rank 512 +
+  qk_rope_head_dim 64 = 576, which vLLM's CPU MLA needs; 128 + 64 query/key and 128 value
+  dims per head), 2 shared experts, layer 0 dense;
+- `glm45-small`: GLM-4.5 at `small`'s scale (q/k/v bias, q/k norm, rotary on half of each
+  128-dim head, sigmoid routing with a correction bias, one shared expert, layer 0 dense).
 - `tiny`: a few MiB, for the smoke tests.
 
 The state dict is written tensor by tensor in bf16 (never a whole fp32 model in memory):
@@ -70,6 +74,21 @@ PRESETS: dict[str, tuple[str, dict]] = {
         topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
         rope_theta=10000.0)),
+    "dsv2-small": ("deepseek_v2", dict(
+        vocab_size=QWEN2_VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, n_shared_experts=2,
+        n_routed_experts=32, num_experts_per_tok=4, first_k_dense_replace=1, moe_layer_freq=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
+        rope_theta=10000.0)),
+    "glm45-small": ("glm4_moe", dict(
+        vocab_size=QWEN2_VOCAB, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True, n_shared_experts=1, n_routed_experts=32, num_experts_per_tok=4,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
+        rope_theta=1000000.0)),
 }
 
 
@@ -113,13 +132,16 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, zero_centred_norms
                 std: float = 0.02) -> torch.Tensor:
     """One bf16 tensor, a function of (seed, name, shape) only. Norm weights are 1 plus small
     noise (0 plus noise where the model's norms are zero-centred, i.e. scale by 1 + w), Gated
-    DeltaNet's A_log is log(U(1, 16)) and dt_bias 1, matrices N(0, std) (routers N(0, 4 std), so
-    that routing is far from uniform)."""
+    DeltaNet's A_log is log(U(1, 16)) and dt_bias 1, other biases (linear layers', the router's
+    e_score_correction_bias) N(0, 0.02), matrices N(0, std) (routers N(0, 4 std), so that
+    routing is far from uniform)."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1, 16, generator=g).log().to(torch.bfloat16)
     if name.endswith("dt_bias"):
         return torch.ones(shape, dtype=torch.bfloat16)
+    if len(shape) == 1 and name.endswith("bias"):  # linear biases, the router's e_score_correction_bias
+        return (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
     if len(shape) == 1:
         base = 0.0 if zero_centred_norms and not name.endswith("linear_attn.norm.weight") else 1.0
         return (base + 0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)

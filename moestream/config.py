@@ -12,9 +12,6 @@ import torch
 from moestream.experts.policy import POLICY_NAMES
 from moestream.validation import is_int, is_number
 
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
-# Hybrid models: gated full attention + Gated DeltaNet linear attention + MoE with a shared expert.
-HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -67,20 +64,79 @@ class MultiModalConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434), HF's DeepseekV2/V3 names.
+
+    `q_lora_rank` None: queries come from one `q_proj` (V2-Lite); else through a
+    `q_lora_rank` bottleneck. Keys and values are expanded from a `kv_lora_rank` latent by
+    `kv_b_proj`; a `qk_rope_head_dim` rope key is shared by all heads. `rope_interleave`:
+    rotary pairs are adjacent dims (x0, x1), (x2, x3) ... (DeepSeek's layout) instead of
+    rotate-half. `softmax_scale`: qk_head_dim ** -0.5, times yarn's mscale(factor,
+    mscale_all_dim) squared when the rope is yarn (HF `yarn_apply_mscale`).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def cache_dim(self) -> int:
+        """Values per token and layer in the latent KV cache: the latent plus the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the MoE router picks and weighs experts (HF's DeepseekV2/V3 and Glm4Moe routers;
+    the defaults are Qwen3-MoE's and Mixtral's softmax top-k).
+
+    `scoring_func`: "softmax" or "sigmoid". `topk_method`: "greedy" (top-k of the scores),
+    "group_limited_greedy" (DeepSeek-V2: experts of the `topk_group` groups with the highest
+    max score), or "noaux_tc" (DeepSeek-V3, GLM-4.5: selection by score +
+    `e_score_correction_bias`, groups ranked by the sum of their top-2). `n_group` groups of
+    num_experts / n_group experts. `routed_scaling_factor` multiplies the routed weights.
+    `float32`: the router runs in float32 whatever the model dtype, HF's
+    `_keep_in_fp32_modules_strict` (DeepSeek, GLM); else in the model dtype (Qwen, Mixtral),
+    and top-k comes out sorted (HF's `torch.topk` default) rather than unsorted.
+    """
+
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    float32: bool = False
+
+    @property
+    def has_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of an MoE decoder, with HF attribute names normalised.
 
     All sizes are element counts. `moe_layers[i]` is True when layer i has a routed-expert
-    MoE block, False when it has a dense MLP of `intermediate_size`.
+    MoE block, False when it has a dense MLP of `intermediate_size`. Each model file
+    (`moestream/models/`) reads its own fields (`MoEForCausalLM.config_fields`).
 
     Hybrid models (Qwen3-Next, Qwen3.5-MoE) also set: `layer_types[i]` "full_attention" or
     "linear_attention" (Gated DeltaNet); the `linear_*` sizes of the GDN layers;
-    `shared_expert_intermediate_size` (0 = no shared expert); `attn_output_gate` (q_proj
-    doubled to give a sigmoid output gate); `partial_rotary_factor` (RoPE on the first
-    fraction of head_dim); `norm_unit_offset` (RMSNorm scales by 1 + weight); and
-    `weight_prefix`, the checkpoint prefix of the decoder ("model." or, for Qwen3.5-MoE's
-    multimodal class, "model.language_model."). `multimodal`: the vision tower's settings
-    when the checkpoint has one (None for text-only checkpoints).
+    `attn_output_gate` (q_proj doubled to give a sigmoid output gate); `norm_unit_offset`
+    (RMSNorm scales by 1 + weight); and `weight_prefix`, the checkpoint prefix of the
+    decoder ("model." or, for Qwen3.5-MoE's multimodal class, "model.language_model.").
+    `multimodal`: the vision tower's settings when the checkpoint has one.
+
+    Shared experts: `shared_expert_intermediate_size` (0 = none); `shared_expert_gate`
+    True scales it by sigmoid(shared_expert_gate(x)) (Qwen3-Next `shared_expert`), False
+    adds it as is (DeepSeek / GLM `shared_experts`). `partial_rotary_factor`: RoPE on the
+    first fraction of head_dim. `o_proj_bias`: the attention output projection has a bias
+    (Qwen3-MoE: as `attention_bias`; GLM-4.5: never). `mla`: DeepSeek's latent attention
+    (then `head_dim` is the rope head dim, as HF sets it). `router`: the routing method.
     """
 
     model_type: str
@@ -114,11 +170,15 @@ class ModelConfig:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     attn_output_gate: bool = False
     partial_rotary_factor: float = 1.0
     norm_unit_offset: bool = False
     weight_prefix: str = "model."
     multimodal: MultiModalConfig | None = None
+    o_proj_bias: bool | None = None
+    mla: MLAConfig | None = None
+    router: RouterConfig = RouterConfig()
 
     @property
     def is_hybrid(self) -> bool:
@@ -136,6 +196,15 @@ class ModelConfig:
     def linear_layers(self) -> list[int]:
         """Decoder indices of linear-attention (Gated DeltaNet) layers."""
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of one token's KV cache entry per layer. MLA caches
+        one latent head of `kv_lora_rank + qk_rope_head_dim` and no separate value (the
+        values are the latent's first `kv_lora_rank` dims)."""
+        if self.mla is not None:
+            return 1, self.mla.cache_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @staticmethod
     def from_hf(model_dir: str) -> "ModelConfig":
@@ -161,104 +230,84 @@ class ModelConfig:
     def from_dict(hf: dict[str, Any], path: str | None = None) -> "ModelConfig":
         """Normalise an HF config dict read from `path` (None: not from a file).
 
+        The fields every decoder has are read here; the model file of `model_type` reads
+        the rest (`MoEForCausalLM.config_fields`).
+
         Raises:
             ValueError: the `model_type` is not supported (the message lists the supported
-                ones), a RoPE type is not supported, `layer_types` is malformed, or a field
+                ones), the checkpoint is quantized, a RoPE type is not supported, or a field
                 the model type needs is missing, null, of the wrong type (bools are not
                 numbers) or out of range. The message names the field and `path`.
         """
+        from moestream.models.registry import MODEL_REGISTRY  # the model files import this module
+
         where = f"config.json at {path}" if path else "config"
         if not isinstance(hf, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
-        weight_prefix = "model."
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in MODEL_REGISTRY:
             raise ValueError(
-                f"{where}: unsupported model_type '{model_type}'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{where}: unsupported model_type '{model_type}'; supported: {', '.join(MODEL_REGISTRY)}"
             )
-        f = _Fields(hf, where, _MODEL_NAMES[model_type])
-        multimodal = None
-        if model_type == "qwen3_5_moe" and hf.get("text_config") is not None:
-            # The multimodal class: the decoder is `model.language_model.`, the vision tower `model.visual.`.
-            text = dict(f.get("text_config", dict))
-            outer = [k for k in _SHARED_KEYS if text.get(k) is None and hf.get(k) is not None]
-            text.update({k: hf[k] for k in outer})
-            outer_fields = f
-            f = _Fields(text, where, f.model_name, "text_config.", {k: k for k in outer})
-            weight_prefix = "model.language_model."
-            if hf.get("vision_config") is not None:
-                multimodal = _multimodal_from_hf(outer_fields, f)
+        quant = hf.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            block = quant.get("weight_block_size") if isinstance(quant, dict) else None
+            raise ValueError(
+                f"{where}: the checkpoint is quantized (quantization_config quant_method '{method}'"
+                + (f", weight_block_size {block}" if block else "")
+                + "); moestream loads float32 / bfloat16 / float16 weights only. Use a bf16 conversion of the "
+                "checkpoint (for DeepSeek-V3 FP8, the bf16 weights its repository's fp8_cast_bf16.py writes)"
+            )
+        model_class = MODEL_REGISTRY[model_type]
+        f, extra = model_class.decoder_fields(HFConfigFields(hf, where, model_class.display_name))
         hidden = f.integer("hidden_size", minimum=1)
         heads = f.integer("num_attention_heads", minimum=1)
         num_layers = f.integer("num_hidden_layers", minimum=1)
-        head_dim = f.integer("head_dim", default=None, minimum=1) or hidden // heads
-        hybrid: dict[str, Any] = {}
-        if model_type in HYBRID_MODEL_TYPES:
-            hybrid = _hybrid_from_hf(f, model_type, num_layers, weight_prefix)
-            num_experts = hybrid.pop("num_experts")
-            moe_layers = hybrid.pop("moe_layers")
-            moe_inter = f.integer("moe_intermediate_size", minimum=1)
-            norm_topk = hybrid.pop("norm_topk_prob")
-            qk_norm = True
-            sliding = None
-        elif model_type == "qwen3_moe":
-            num_experts = f.integer("num_experts", "num_local_experts", minimum=0)
-            moe_layers = _sparse_layers(f, num_layers, num_experts)
-            moe_inter = f.integer("moe_intermediate_size", minimum=1)
-            norm_topk = f.flag("norm_topk_prob", default=False)
-            qk_norm = True
-            use_sliding = f.flag("use_sliding_window", default=False)
-            sliding = f.integer("sliding_window", default=None, minimum=0) if use_sliding else None
-        else:  # mixtral
-            num_experts = f.integer("num_local_experts", minimum=1)
-            moe_layers = (True,) * num_layers
-            moe_inter = f.integer("intermediate_size", minimum=1)
-            norm_topk = True
-            qk_norm = False
-            sliding = f.integer("sliding_window", default=None, minimum=0)
-        dense = not all(moe_layers)  # the dense MLP's intermediate_size is needed only then
-        eos = f.get("eos_token_id", (int, list), default=None)
-        eos_ids = f.integers("eos_token_id") if isinstance(eos, list) else (() if eos is None else (eos,))
-        return ModelConfig(
+        common: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=f.integer("vocab_size", minimum=1),
             hidden_size=hidden,
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=f.integer("num_key_value_heads", default=heads, minimum=1),
-            head_dim=head_dim,
-            intermediate_size=f.integer("intermediate_size", default=_REQUIRED if dense else 0, minimum=int(dense)),
-            moe_intermediate_size=moe_inter,
-            num_experts=num_experts,
+            head_dim=f.integer("head_dim", default=None, minimum=1) or hidden // heads,
             num_experts_per_tok=f.integer("num_experts_per_tok", minimum=1),
-            norm_topk_prob=norm_topk,
-            moe_layers=moe_layers,
             rms_norm_eps=f.number("rms_norm_eps", default=1e-6),
             rope=_rope_from_hf(f),
             max_position_embeddings=f.integer("max_position_embeddings", default=4096, minimum=1),
-            qk_norm=qk_norm,
             attention_bias=f.flag("attention_bias", default=False),
-            sliding_window=sliding or None,
+            sliding_window=None,
             tie_word_embeddings=f.flag("tie_word_embeddings", default=False),
             hidden_act=f.get("hidden_act", str, default="silu"),
             torch_dtype=f.get("torch_dtype", str, default=None) or f.get("dtype", str, default=None),
-            eos_token_ids=eos_ids,
             bos_token_id=f.integer("bos_token_id", default=None),
-            multimodal=multimodal,
-            **hybrid,
         )
+        eos = f.get("eos_token_id", (int, list), default=None)
+        common["eos_token_ids"] = f.integers("eos_token_id") if isinstance(eos, list) else (() if eos is None else (eos,))
+        common.update(extra)
+        common.update(model_class.config_fields(f, common))
+        if "intermediate_size" not in common:  # the dense MLP's size is needed only when some layer is dense
+            dense = not all(common["moe_layers"])
+            common["intermediate_size"] = f.integer("intermediate_size", default=REQUIRED if dense else 0,
+                                                    minimum=int(dense))
+        if common.get("o_proj_bias") is None:
+            common["o_proj_bias"] = common["attention_bias"]
+        router: RouterConfig = common.get("router", RouterConfig())
+        if router.topk_method != "greedy":
+            group = common["num_experts"] // router.n_group
+            if common["num_experts"] % router.n_group or router.topk_group > router.n_group \
+                    or (router.topk_method == "noaux_tc" and group < 2):
+                raise f.error("n_group", f"is {router.n_group}: it must divide the {common['num_experts']} routed "
+                                         f"experts into groups of at least {2 if router.topk_method == 'noaux_tc' else 1}"
+                                         f", and be at least topk_group ({router.topk_group})")
+        return ModelConfig(**common)
 
 
-_MODEL_NAMES: dict[str, str] = {
-    "qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen3_next": "Qwen3-Next",
-    "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_5_moe_text": "Qwen3.5-MoE",
-}
-_REQUIRED: Any = object()  # `default` of a field that must be present
-# Keys of Qwen3.5-MoE's multimodal config that the decoder takes from the outer config when its text_config lacks them.
-_SHARED_KEYS = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "torch_dtype", "dtype")
+REQUIRED: Any = object()  # `default` of a field that must be present
 
 
-class _Fields:
+class HFConfigFields:
     """Typed reads of an HF config dict: the one place its values are checked.
 
     Every error is a ValueError naming `where` (the config.json path) and the field:
@@ -277,7 +326,7 @@ class _Fields:
         """The error for field `key`: '<where>: field '<name>' <problem>'."""
         return ValueError(f"{self.where}: field '{self.name(key)}' {problem}")
 
-    def get(self, key: str, kind: type | tuple[type, ...], *alternatives: str, default: Any = _REQUIRED) -> Any:
+    def get(self, key: str, kind: type | tuple[type, ...], *alternatives: str, default: Any = REQUIRED) -> Any:
         """The value of the first of `key`, `*alternatives` that is set (not missing or null),
         checked to be of `kind`; `default` when none is set.
 
@@ -293,14 +342,14 @@ class _Fields:
                 names = _KIND_NAMES.get(kind) or " or ".join(_KIND_NAMES.get(t, t.__name__) for t in kinds)
                 raise self.error(k, f"must be {names}, got {type(value).__name__} {value!r}")
             return value
-        if default is not _REQUIRED:
+        if default is not REQUIRED:
             return default
         also = "".join(f" (or '{self.name(a)}')" for a in alternatives)
         state = "null" if key in self.hf else "missing"
         needed = f"a {self.model_name} config needs it"
         raise ValueError(f"{self.where}: field '{self.name(key)}'{also} is {state}; {needed}")
 
-    def integer(self, key: str, *alternatives: str, default: Any = _REQUIRED, minimum: int | None = None) -> Any:
+    def integer(self, key: str, *alternatives: str, default: Any = REQUIRED, minimum: int | None = None) -> Any:
         """An integer field (not a bool), at least `minimum` when given. See `get`."""
         value = self.get(key, int, *alternatives, default=default)
         if minimum is not None and is_int(value) and value < minimum:
@@ -308,7 +357,7 @@ class _Fields:
             raise self.error(used, f"must be at least {minimum}, got {value}")
         return value
 
-    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+    def number(self, key: str, default: Any = REQUIRED) -> Any:
         """A finite number (int or float, not a bool), as a float. See `get`."""
         value = self.get(key, (int, float), default=default)
         if is_number(value) or value is None:
@@ -319,7 +368,7 @@ class _Fields:
         """A JSON true/false field. See `get`."""
         return self.get(key, bool, default=default)
 
-    def integers(self, key: str, default: Any = _REQUIRED) -> Any:
+    def integers(self, key: str, default: Any = REQUIRED) -> Any:
         """A list of integers, as a tuple. See `get`."""
         value = self.get(key, list, default=default)
         if not isinstance(value, list):
@@ -335,90 +384,19 @@ _KIND_NAMES: dict[type | tuple[type, ...], str] = {
 }
 
 
-def _sparse_layers(f: _Fields, num_layers: int, num_experts: int) -> tuple[bool, ...]:
+def sparse_layers(f: HFConfigFields, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     """Which layers are MoE, from `decoder_sparse_step` and `mlp_only_layers` (Qwen3-MoE, Qwen3-Next)."""
     step = f.integer("decoder_sparse_step", default=1, minimum=1)
     mlp_only = set(f.integers("mlp_only_layers", default=()))
     return tuple((i not in mlp_only) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def _hybrid_from_hf(f: _Fields, model_type: str, num_layers: int, weight_prefix: str) -> dict[str, Any]:
-    """Qwen3-Next / Qwen3.5-MoE fields (transformers' configuration_qwen3_next.py and
-    configuration_qwen3_5_moe.py, including their defaults).
-
-    Raises:
-        ValueError: `layer_types` is malformed, or a field is missing or mistyped (see `_Fields`).
-    """
-    layer_types = f.get("layer_types", list, default=None)
-    if layer_types is None:
-        interval = f.integer("full_attention_interval", default=4, minimum=1)
-        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
-        raise f.error(
-            "layer_types",
-            f"must list 'full_attention' or 'linear_attention' for each of the {num_layers} layers; got {layer_types}",
-        )
-    if model_type == "qwen3_next":
-        num_experts = f.integer("num_experts", minimum=0)
-        moe_layers = _sparse_layers(f, num_layers, num_experts)
-        norm_topk = f.flag("norm_topk_prob", default=True)
-    else:  # Qwen3.5-MoE: every layer is sparse, top-k always renormalised
-        num_experts = f.integer("num_experts", minimum=1)
-        moe_layers = (True,) * num_layers
-        norm_topk = True
-    rope = _rope_fields(f)
-    partial = rope.number("partial_rotary_factor", default=None)
-    return dict(
-        num_experts=num_experts,
-        moe_layers=moe_layers,
-        norm_topk_prob=norm_topk,
-        layer_types=tuple(layer_types),
-        linear_conv_kernel_dim=f.integer("linear_conv_kernel_dim", default=4, minimum=1),
-        linear_key_head_dim=f.integer("linear_key_head_dim", default=128, minimum=1),
-        linear_value_head_dim=f.integer("linear_value_head_dim", default=128, minimum=1),
-        linear_num_key_heads=f.integer("linear_num_key_heads", default=16, minimum=1),
-        linear_num_value_heads=f.integer("linear_num_value_heads", default=32, minimum=1),
-        shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", default=0, minimum=0),
-        attn_output_gate=True,
-        partial_rotary_factor=partial if partial is not None else f.number("partial_rotary_factor", default=0.25),
-        norm_unit_offset=True,
-        weight_prefix=weight_prefix,
-    )
-
-
-def _multimodal_from_hf(outer: _Fields, text: _Fields) -> MultiModalConfig:
-    """The vision fields of Qwen3.5-MoE's multimodal config (transformers'
-    configuration_qwen3_5_moe.py defaults; `mrope_section` from the text config's
-    `rope_parameters`, default [11, 11, 10] as HF's text rotary embedding).
-
-    Raises:
-        ValueError: a field is mistyped or out of range (see `_Fields`), or `mrope_section`
-            is not three non-negative integers.
-    """
-    vision = outer.get("vision_config", dict)
-    v = _Fields(vision, outer.where, outer.model_name, "vision_config.")
-    section = _rope_fields(text).get("mrope_section", list, default=[11, 11, 10])
-    if len(section) != 3 or not all(is_int(x) and x >= 0 for x in section):
-        raise text.error("rope_parameters.mrope_section", f"must be three non-negative integers; got {section}")
-    return MultiModalConfig(
-        image_token_id=outer.integer("image_token_id", default=248056, minimum=0),
-        video_token_id=outer.integer("video_token_id", default=248057, minimum=0),
-        vision_start_token_id=outer.integer("vision_start_token_id", default=248053, minimum=0),
-        vision_end_token_id=outer.integer("vision_end_token_id", default=248054, minimum=0),
-        spatial_merge_size=v.integer("spatial_merge_size", default=2, minimum=1),
-        patch_size=v.integer("patch_size", default=16, minimum=1),
-        temporal_patch_size=v.integer("temporal_patch_size", default=2, minimum=1),
-        mrope_section=tuple(int(x) for x in section),  # type: ignore[arg-type]
-        vision_config=dict(vision),
-    )
-
-
-def _rope_fields(f: _Fields) -> _Fields:
-    """HF's v5 `rope_parameters` overlaid with v4 `rope_scaling`, as one `_Fields`."""
+def rope_fields(f: HFConfigFields) -> HFConfigFields:
+    """HF's v5 `rope_parameters` overlaid with v4 `rope_scaling`, as one `HFConfigFields`."""
     params = f.get("rope_parameters", dict, default={})
     scaling = f.get("rope_scaling", dict, default={})
     names = {k: f"{f.name('rope_scaling')}.{k}" for k in scaling}
-    return _Fields({**params, **scaling}, f.where, f.model_name, f.name("rope_parameters") + ".", names)
+    return HFConfigFields({**params, **scaling}, f.where, f.model_name, f.name("rope_parameters") + ".", names)
 
 
 # Numeric keys of the RoPE scaling types moestream implements (moestream/layers/rotary.py).
@@ -426,13 +404,13 @@ _ROPE_NUMBERS = ("factor", "original_max_position_embeddings", "low_freq_factor"
                  "attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow")
 
 
-def _rope_from_hf(f: _Fields) -> RopeConfig:
+def _rope_from_hf(f: HFConfigFields) -> RopeConfig:
     """Both HF layouts: v5 `rope_parameters` and v4 `rope_theta` + `rope_scaling`.
 
     Raises:
-        ValueError: an unsupported rope type, or a mistyped rope field (see `_Fields`).
+        ValueError: an unsupported rope type, or a mistyped rope field (see `HFConfigFields`).
     """
-    rope = _rope_fields(f)
+    rope = rope_fields(f)
     params = dict(rope.hf)
     theta = rope.number("rope_theta", default=None)
     params.pop("rope_theta", None)

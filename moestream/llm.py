@@ -98,6 +98,12 @@ class LLM:
         per layer and per tier (see moestream.experts.metrics.ExpertStats)."""
         return self.llm_engine.expert_stats()
 
+    def kv_cache_stats(self) -> dict:
+        """KV cache figures: bytes_per_token (bytes), block_size (tokens), num_blocks,
+        free_blocks, and for MLA models mha_bytes_per_token (what an expanded MHA cache would
+        take per token)."""
+        return self.llm_engine.kv_cache_stats()
+
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache figures: enabled, queries and hits (prompt tokens of admitted
         requests), hit_rate, evictions (blocks), cached_blocks."""

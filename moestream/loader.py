@@ -5,6 +5,7 @@ error names the file and the tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ from moestream.experts.interface import ExpertStore
 from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.tiers import TensorLocation, read_safetensors_header
 from moestream.layers.attention_backend import AttentionBackend
+from moestream.layers.router import TopKRouter
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.registry import get_model_class
 
@@ -133,35 +135,81 @@ def build_model(
         hf = model.hf_name(name)
         if hf == "lm_head.weight" and cfg.tie_word_embeddings and hf not in reader:
             hf = "model.embed_tokens.weight"
-        tensor = reader.get(hf, p.shape).to(device=device, dtype=dtype)
         module_name, _, leaf = name.rpartition(".")
-        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        module = model.get_submodule(module_name)
+        # HF keeps DeepSeek's and GLM's routers in float32 (`_keep_in_fp32_modules_strict`)
+        keep_fp32 = isinstance(module, TopKRouter) and module.config.float32
+        tensor = reader.get(hf, p.shape).to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    _log_unread_layers(cfg, reader)
     model.eval()
     return model
 
 
+def _log_unread_layers(cfg: ModelConfig, reader: CheckpointReader) -> None:
+    """Log the tensors of decoder layers past `num_hidden_layers`: the multi-token-prediction
+    (next-n) layers DeepSeek-V3 and GLM-4.5 checkpoints append as `model.layers.{L}.*`."""
+    prefix = cfg.weight_prefix + "layers."
+    extra: dict[int, int] = {}
+    for name in reader.weight_map:
+        if name.startswith(prefix):
+            idx = name[len(prefix):].split(".", 1)[0]
+            if idx.isdigit() and int(idx) >= cfg.num_layers:
+                extra[int(idx)] = extra.get(int(idx), 0) + 1
+    if extra:
+        layers = ", ".join(f"{prefix}{i} ({n} tensors)" for i, n in sorted(extra.items()))
+        logger.info("not loading %s: layers past num_hidden_layers=%d are the checkpoint's multi-token-prediction "
+                    "(next-n) layers, which moestream does not use for this model", layers, cfg.num_layers)
+
+
 def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:
     names = (n.format(l=layer, e=expert) for n in get_model_class(cfg.model_type).expert_names)
-    prefix = cfg.weight_prefix
-    return tuple(prefix + n[len("model."):] if n.startswith("model.") else n for n in names)  # type: ignore[return-value]
+    return tuple(_prefixed(cfg, n) for n in names)  # type: ignore[return-value]
+
+
+def _prefixed(cfg: ModelConfig, name: str) -> str:
+    """`name` with its leading "model." replaced by the config's `weight_prefix`."""
+    return cfg.weight_prefix + name[len("model."):] if name.startswith("model.") else name
+
+
+# transformers 5's in-memory layout of a layer's experts, which some checkpoints store as is:
+# gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I].
+FUSED_EXPERT_NAMES = ("model.layers.{l}.mlp.experts.gate_up_proj", "model.layers.{l}.mlp.experts.down_proj")
+
+
+def _fused_names(cfg: ModelConfig, reader: CheckpointReader, layer: int) -> tuple[str, str] | None:
+    """The fused 3-D expert tensors of `layer` when the checkpoint stores them instead of
+    per-expert ones (a per-expert name wins when both are present); else None."""
+    if _expert_names(cfg, layer, 0)[0] in reader:
+        return None
+    gate_up, down = (_prefixed(cfg, n.format(l=layer)) for n in FUSED_EXPERT_NAMES)
+    return (gate_up, down) if gate_up in reader else None
 
 
 def load_resident_experts(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
 ) -> None:
-    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]).
+    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]),
+    from per-expert tensors or the fused 3-D ones (`FUSED_EXPERT_NAMES`).
 
     Raises:
         ValueError: see CheckpointReader (a missing, misshapen or non-float tensor, or an
             unreadable file).
     """
-    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
-    with tqdm(total=len(moe_layers) * cfg.num_experts, desc="Loading experts", unit="expert", disable=None) as bar:
+    with tqdm(total=len(moe_layers) * num, desc="Loading experts", unit="expert", disable=None) as bar:
         for layer in moe_layers:
-            gate_up = torch.empty(cfg.num_experts, 2 * inter, hidden, dtype=dtype, device=device)  # [E, 2I, H]
-            down = torch.empty(cfg.num_experts, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
-            for e in range(cfg.num_experts):
+            fused = _fused_names(cfg, reader, layer)
+            if fused is not None:
+                gate_up = reader.get(fused[0], (num, 2 * inter, hidden)).to(device=device, dtype=dtype)
+                down = reader.get(fused[1], (num, hidden, inter)).to(device=device, dtype=dtype)
+                store.set_layer(layer, gate_up, down)
+                bar.update(num)
+                continue
+            gate_up = torch.empty(num, 2 * inter, hidden, dtype=dtype, device=device)  # [E, 2I, H]
+            down = torch.empty(num, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
+            for e in range(num):
                 gate_name, up_name, down_name = _expert_names(cfg, layer, e)
                 gate_up[e, :inter] = reader.get(gate_name, (inter, hidden))
                 gate_up[e, inter:] = reader.get(up_name, (inter, hidden))
@@ -174,15 +222,33 @@ def expert_locations(
     cfg: ModelConfig, reader: CheckpointReader
 ) -> dict[tuple[int, int], tuple[TensorLocation, TensorLocation, TensorLocation]]:
     """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
+    With fused 3-D tensors (`FUSED_EXPERT_NAMES`) these are slices of them: expert e's gate
+    and up are rows [e, :I] and [e, I:] of gate_up_proj, its down is down_proj[e], each
+    contiguous in the file, so they are read in place.
 
     Raises:
         ValueError: see `CheckpointReader.locate` (a missing, misshapen or non-float tensor;
             names the file and the tensor).
     """
-    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     out = {}
     for layer in (i for i, m in enumerate(cfg.moe_layers) if m):
-        for e in range(cfg.num_experts):
+        fused = _fused_names(cfg, reader, layer)
+        if fused is not None:
+            gate_up, down = reader.locate(fused[0], (num, 2 * inter, hidden)), reader.locate(fused[1], (num, hidden, inter))
+            size = gate_up.nbytes // (num * 2 * inter * hidden)  # bytes per element
+            block = inter * hidden * size  # bytes of one [I, H] or [H, I] matrix
+            for e in range(num):
+                out[(layer, e)] = (
+                    dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}, :{inter}]",
+                                        offset=gate_up.offset + 2 * e * block, nbytes=block, shape=(inter, hidden)),
+                    dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}, {inter}:]",
+                                        offset=gate_up.offset + (2 * e + 1) * block, nbytes=block, shape=(inter, hidden)),
+                    dataclasses.replace(down, name=f"{down.name}[{e}]", offset=down.offset + e * block, nbytes=block,
+                                        shape=(hidden, inter)),
+                )
+            continue
+        for e in range(num):
             gate, up, down = _expert_names(cfg, layer, e)
             out[(layer, e)] = (reader.locate(gate, (inter, hidden)), reader.locate(up, (inter, hidden)),
                                reader.locate(down, (hidden, inter)))

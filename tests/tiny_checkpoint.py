@@ -1,5 +1,5 @@
-"""Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE) with
-a real tokenizer.
+"""Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE,
+DeepSeek-V2, DeepSeek-V3, GLM-4.5) with a real tokenizer.
 
 Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
 Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
@@ -17,7 +17,29 @@ import torch
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tokenizers")
 TOKENIZERS = {
     "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
+    "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2",
 }
+_QWEN2_VOCAB = dict(vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
+# MLA fixtures: 4 heads of 16 (nope) + 8 (rope) query/key dims, 16 value dims, a latent of 32;
+# V2 without a q LoRA (as V2-Lite), V3 with one and a yarn rope whose mscale changes the softmax scale.
+# Layer 0 is dense (first_k_dense_replace), layers 1-2 are MoE with one shared expert.
+DEEPSEEK = dict(
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+    moe_intermediate_size=32, intermediate_size=96, first_k_dense_replace=1, num_experts_per_tok=2,
+    num_key_value_heads=4, **_QWEN2_VOCAB,
+)
+DEEPSEEK_V2 = dict(DEEPSEEK, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.5)
+DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                   rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                        original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=1.0,
+                                        beta_fast=32, beta_slow=1))
+# GLM-4.5: q/k/v bias, q/k norm, rotary on half of each 16-dim head, 4 groups of 2 experts (top 2 groups).
+GLM4_MOE = dict(
+    head_dim=16, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32, intermediate_size=96,
+    first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, n_group=4, topk_group=2, num_experts_per_tok=2,
+    routed_scaling_factor=1.8, **_QWEN2_VOCAB,
+)
+_PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
 # Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
 HYBRID = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -99,7 +121,9 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
         if model_type == "qwen3_5_moe_vl":
             _add_vision_tokens(out_dir)
         return out_dir
-    if model_type == "qwen3_moe":
+    if model_type in _PRESETS:
+        kw = dict(_PRESETS[model_type])
+    elif model_type == "qwen3_moe":
         kw = dict(vocab_size=151936, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                   num_experts_per_tok=2, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1],
                   eos_token_id=151643, bos_token_id=151643)
@@ -124,6 +148,9 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.08)
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM: selection differs from weights
+                b.normal_(0.0, 0.1)
 
 
 def _copy_tokenizer(tok_dir: str, out_dir: str) -> None:

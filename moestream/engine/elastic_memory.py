@@ -40,6 +40,7 @@ class PageGeometry:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int | None = None  # None: head_dim; 0: MLA's latent cache (keys only)
 
     @property
     def expert_elems(self) -> int:
@@ -47,7 +48,11 @@ class PageGeometry:
 
     @property
     def block_elems(self) -> int:
-        return 2 * self.num_kv_layers * self.block_size * self.num_kv_heads * self.head_dim
+        return self.num_kv_layers * self.block_size * self.num_kv_heads * (self.head_dim + self.v_dim)
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def blocks_per_page(self) -> int:
@@ -102,10 +107,14 @@ class ElasticMemory:
         return [self.expert_view(p) for p in range(self.initial_expert_pages)]
 
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per KV layer, K and V caches [num_blocks, block_size, kv_heads, head_dim] (strided views)."""
+        """Per KV layer, K and V caches [num_blocks, block_size, kv_heads, head_dim or v_head_dim]
+        (strided views)."""
         g = self.geometry
-        blocks = self.pages.view(self.num_blocks, g.num_kv_layers, 2, g.block_size, g.num_kv_heads, g.head_dim)
-        return [(blocks[:, layer, 0], blocks[:, layer, 1]) for layer in range(g.num_kv_layers)]
+        k_elems = g.block_size * g.num_kv_heads * g.head_dim
+        blocks = self.pages.view(self.num_blocks, g.num_kv_layers, -1)  # [N, L, K + V elements]
+        shape = (g.block_size, g.num_kv_heads)
+        return [(blocks[:, layer, :k_elems].unflatten(-1, shape + (g.head_dim,)),
+                 blocks[:, layer, k_elems:].unflatten(-1, shape + (g.v_dim,))) for layer in range(g.num_kv_layers)]
 
     def blocks_of(self, page: int) -> list[int]:
         m = self.geometry.blocks_per_page

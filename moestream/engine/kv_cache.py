@@ -24,9 +24,12 @@ from dataclasses import dataclass
 import torch
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers: K and V, block_size tokens each."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   v_head_dim: int | None = None) -> int:
+    """Bytes one block takes across all layers: K ([heads, head_dim] per token) and V
+    ([heads, v_head_dim], default head_dim; 0 for MLA's latent cache), block_size tokens each."""
+    per_token = num_kv_heads * (head_dim + (head_dim if v_head_dim is None else v_head_dim))
+    return num_layers * block_size * per_token * torch.tensor([], dtype=dtype).element_size()
 
 
 DEFAULT_KV_CAP_BYTES = 4 << 30

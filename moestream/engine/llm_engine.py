@@ -109,8 +109,9 @@ class LLMEngine:
         model = self._load(mcfg)
         bs = config.block_size
         num_kv_layers = len(mcfg.attention_layers) + (self.mtp is not None)  # the MTP layer has a KV cache too
-        self.kv_cache_block_bytes = block_bytes = kv_block_bytes(num_kv_layers, bs, mcfg.num_kv_heads, mcfg.head_dim,
-                                                                 self.dtype)
+        heads, k_dim, v_dim = mcfg.kv_cache_dims
+        self.kv_cache_block_bytes = block_bytes = kv_block_bytes(num_kv_layers, bs, heads, k_dim, self.dtype, v_dim)
+        self._log_kv_bytes(mcfg, num_kv_layers, block_bytes // bs)
         num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, self.max_model_len,
                                    config.max_num_seqs)
         elastic = self.elastic_memory
@@ -203,6 +204,20 @@ class LLMEngine:
             num_spec_rows=cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 0,
         )
 
+    def _log_kv_bytes(self, mcfg: ModelConfig, num_kv_layers: int, per_token: int) -> None:
+        """Log the KV cache's bytes per token; for MLA, against the expanded per-head keys and
+        values an MHA cache would hold."""
+        self.kv_cache_bytes_per_token = per_token
+        if mcfg.mla is None:
+            logger.info("KV cache: %d bytes per token (%d layers)", per_token, num_kv_layers)
+            return
+        m, elem = mcfg.mla, torch.tensor([], dtype=self.dtype).element_size()
+        mha = num_kv_layers * mcfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * elem
+        logger.info("KV cache (MLA latent, kv_lora_rank %d + qk_rope_head_dim %d): %d bytes per token (%d layers); "
+                    "expanded MHA keys and values would take %d (%.1fx)", m.kv_lora_rank, m.qk_rope_head_dim,
+                    per_token, num_kv_layers, mha, mha / per_token)
+        self.kv_cache_mha_bytes_per_token = mha
+
     def _load(self, mcfg: ModelConfig) -> MoEForCausalLM:
         """Plan expert residency, build the expert store, and load the model."""
         config = self.config
@@ -230,7 +245,7 @@ class LLMEngine:
             if num_kv_layers == 0:
                 raise ValueError("enable_elastic_memory needs a model with attention layers")
             geometry = PageGeometry(mcfg.moe_intermediate_size, mcfg.hidden_size, num_kv_layers, config.block_size,
-                                    mcfg.num_kv_heads, mcfg.head_dim)
+                                    *mcfg.kv_cache_dims)
             kv_blocks = num_kv_blocks(config.kv_cache_memory_bytes, geometry.block_elems * elem, config.block_size,
                                       self.max_model_len, config.max_num_seqs)
             self.elastic_memory = ElasticMemory(geometry, plan.num_slots, -(-kv_blocks // geometry.blocks_per_page),
@@ -276,6 +291,17 @@ class LLMEngine:
         cached_blocks, recomputed_tokens (hybrid hits), and on hybrid models the state
         checkpoints per tier (count, bytes), captured, evictions, demotions."""
         return self.coordinator.prefix_cache_stats()
+
+    def kv_cache_stats(self) -> dict:
+        """KV cache figures: bytes_per_token (bytes, all KV layers), block_size (tokens),
+        num_blocks and free_blocks (now), and for MLA models `mha_bytes_per_token`, what
+        expanded per-head keys and values would take."""
+        kv = self.coordinator.kv
+        stats = {"bytes_per_token": self.kv_cache_bytes_per_token, "block_size": self.config.block_size,
+                 "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks}
+        if self.model_config.mla is not None:
+            stats["mha_bytes_per_token"] = self.kv_cache_mha_bytes_per_token
+        return stats
 
     @property
     def kv_cache(self) -> KVCacheManager:

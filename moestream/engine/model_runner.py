@@ -21,7 +21,8 @@ from moestream.spec_decode.mtp import MTPLayer
 
 class ModelRunner:
     """Owns the model and the KV cache tensors: per full-attention layer (k, v), each
-    [num_blocks, block_size, num_kv_heads, head_dim] in the model dtype. Linear-attention
+    [num_blocks, block_size, heads, dim] in the model dtype, with (heads, k dim, v dim) the
+    config's `kv_cache_dims` (MLA: one latent head and an empty v). Linear-attention
     layers have no KV cache; their states are the `state_pool`'s.
 
     The runner decides nothing: the scheduler output names the requests, their token
@@ -60,9 +61,10 @@ class ModelRunner:
         self.block_size = block_size
         self.state_pool = state_pool
         self.recorder = recorder
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        heads, k_dim, v_dim = cfg.kv_cache_dims
         if kv_caches is None:  # else given: an elastic memory pool's views, the MTP layer's last
-            kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            kv_caches = [(torch.zeros((num_blocks, block_size, heads, k_dim), dtype=dtype, device=device),
+                          torch.zeros((num_blocks, block_size, heads, v_dim), dtype=dtype, device=device))
                          for _ in range(len(cfg.attention_layers) + (mtp is not None))]
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = kv_caches[: len(cfg.attention_layers)]
         self.mtp = mtp  # speculative method "mtp": the checkpoint's MTP layer, with its own KV cache

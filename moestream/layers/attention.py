@@ -18,7 +18,10 @@ from moestream.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    """forward(positions [T] int64, x [T, hidden], kv_cache (k, v) each [N, block, Hk, D], meta) -> [T, hidden]."""
+    """forward(positions [T] int64, x [T, hidden], kv_cache (k, v) each [N, block, Hk, D], meta) -> [T, hidden].
+
+    `bias` applies to q/k/v_proj, and to o_proj unless `o_bias` says otherwise (GLM-4.5:
+    q/k/v biased, o_proj never)."""
 
     def __init__(
         self,
@@ -33,6 +36,7 @@ class Attention(nn.Module):
         sliding_window: int | None,
         output_gate: bool = False,
         norm_unit_offset: bool = False,
+        o_bias: bool | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -40,7 +44,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset)

@@ -38,19 +38,24 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, D], k_cache, v_cache [N, block_size, Hk, D],
-    meta, scale, sliding_window) -> [T, Hq, D]. Writes k/v into the caches first."""
+    """forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv], k_cache [N, block_size, Hk, D],
+    v_cache [N, block_size, Hk, Dv], meta, scale, sliding_window, latent_values) -> [T, Hq, Dv].
+    Writes k/v into the caches first.
+
+    `latent_values` > 0 (multi-head latent attention's absorbed form): `v` is None, the
+    values are the first `latent_values` dims of the keys, and v_cache is not touched."""
 
     def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        latent_values: int = 0,
     ) -> torch.Tensor: ...
 
 
@@ -67,34 +72,36 @@ class TorchAttentionBackend:
         self,
         q: torch.Tensor,
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        latent_values: int = 0,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        num_kv_heads = k.shape[1]
         bs = meta.block_size
-        for cache, new in ((k_cache, k), (v_cache, v)):
+        for cache, new in ((k_cache, k),) if v is None else ((k_cache, k), (v_cache, v)):
             if cache.is_contiguous():
-                cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, new)
+                cache.view(-1, num_kv_heads, new.shape[-1]).index_copy_(0, meta.slot_mapping, new)
             else:  # an elastic memory pool's strided view: index (block, offset)
                 cache.index_put_((meta.slot_mapping // bs, meta.slot_mapping % bs), new)
-        out = torch.empty_like(q)  # [T, Hq, D]
+        out = q.new_empty(q.shape[:-1] + (latent_values or v_cache.shape[-1],))  # [T, Hq, Dv]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
         batched = set(decodes) if len(decodes) > 1 else set()
         if batched:
-            self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out)
+            self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out, latent_values)
         for i in range(len(lens)):
             if i in batched:
                 continue
             qs, qe, ctx = qsl[i], qsl[i + 1], lens[i]
             n = qe - qs
             blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
-            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]  # [ctx, Hk, D]
-            vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+            keys = k_cache[blocks].flatten(0, 1)[:ctx]  # [ctx, Hk, D]
+            # [ctx, Hk, Dv]; MLA: the values are the latent part of the keys
+            vals = keys[..., :latent_values] if latent_values else v_cache[blocks].flatten(0, 1)[:ctx]
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
             k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
             mask = k_pos <= q_pos  # [n, ctx]
@@ -121,17 +128,18 @@ class TorchAttentionBackend:
         sliding_window: int | None,
         decodes: list[int],
         out: torch.Tensor,
+        latent_values: int = 0,
     ) -> None:
         """All one-token (decode) requests in one SDPA call: their blocks gathered and padded
         to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
-        bs, num_kv_heads, head_dim = meta.block_size, k_cache.shape[2], k_cache.shape[3]
+        bs = meta.block_size
         width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs
         dev = q.device
         idx = torch.tensor(decodes, device=dev)
         rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
         tables = meta.block_tables[idx, :width]  # [b, W]
-        keys = k_cache[tables].reshape(len(decodes), width * bs, num_kv_heads, head_dim)  # [b, W*bs, Hk, D]
-        vals = v_cache[tables].reshape(len(decodes), width * bs, num_kv_heads, head_dim)
+        keys = k_cache[tables].flatten(1, 2)  # [b, W*bs, Hk, D]
+        vals = keys[..., :latent_values] if latent_values else v_cache[tables].flatten(1, 2)  # [b, W*bs, Hk, Dv]
         ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
         k_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, W*bs]
         mask = k_pos < ctx  # [b, W*bs]

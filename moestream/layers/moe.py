@@ -1,10 +1,10 @@
-"""Sparse MoE block: router softmax -> top-k -> grouped expert SwiGLU -> weighted combine.
+"""Sparse MoE block: router -> top-k -> grouped expert SwiGLU -> weighted combine.
 
-Routing follows transformers' Qwen3MoeTopKRouter / MixtralTopKRouter (softmax in float32,
-top-k, optional renormalisation). Experts run grouped: the (token, k) pairs are sorted by
-expert id and only experts that received tokens run, each on its contiguous slice.
-Qwen3-Next / Qwen3.5-MoE add a dense shared expert scaled by sigmoid(shared_expert_gate(x))
-(transformers' Qwen3NextSparseMoeBlock).
+The router (`router.py`) scores, selects and weighs. Experts run grouped: the (token, k)
+pairs are sorted by expert id and only experts that received tokens run, each on its
+contiguous slice. Qwen3-Next / Qwen3.5-MoE add a dense shared expert scaled by
+sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock); DeepSeek and
+GLM-4.5 add `shared_experts` ungated (DeepseekV2Moe, Glm4MoeMoE).
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moestream.config import RouterConfig
 from moestream.experts.interface import ExpertStore
 from moestream.layers.linear import Linear, linear
 from moestream.layers.mlp import GatedMLP
+from moestream.layers.router import TopKRouter
 
 
 class SparseMoE(nn.Module):
     """forward(x [T, H]) -> [T, H]. Routed weights come from `store.ensure(layer_idx, ids)`;
-    a shared expert of `shared_intermediate_size` (> 0) is resident and always applied."""
+    a shared expert of `shared_intermediate_size` (> 0) is resident and always applied:
+    gated (`shared_expert` scaled by sigmoid(`shared_expert_gate`(x))) when `shared_gate`,
+    else added as is (`shared_experts`)."""
 
     def __init__(
         self,
@@ -31,28 +35,37 @@ class SparseMoE(nn.Module):
         layer_idx: int,
         store: ExpertStore,
         shared_intermediate_size: int = 0,
+        shared_gate: bool = True,
+        router: RouterConfig = RouterConfig(),
     ) -> None:
         super().__init__()
-        self.gate = Linear(hidden_size, num_experts, bias=False)
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, router)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
-        if shared_intermediate_size > 0:
+        self.shared_experts: GatedMLP | None = None
+        if shared_intermediate_size > 0 and shared_gate:
             self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        elif shared_intermediate_size > 0:
+            self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
         self.store = store
         # (next MoE layer index, its router), set by the model; a tuple so that torch does
         # not register the other layer's router as a submodule of this one.
-        self.lookahead: tuple[int, Linear] | None = None
+        self.lookahead: tuple[int, TopKRouter] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing: (weights [T, k] float32, expert ids [T, k] int64)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        return self.gate(x)
+
+    def _shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """routed [T, H] plus the shared expert's output, if the model has one."""
+        if self.shared_experts is not None:
+            return routed + self.shared_experts(x)
+        if self.shared_expert is not None:
+            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed
 
     def forward(self, x: torch.Tensor, resident_only: bool = False) -> torch.Tensor:
         """x [T, H] -> [T, H]. `resident_only` (a `draft_experts` draft pass): route only to
@@ -82,10 +95,7 @@ class SparseMoE(nn.Module):
                 y = linear(F.silu(gate) * up, w.down)  # [n, H]
                 out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
                 start = end
-        routed = out.to(x.dtype)
-        if self.shared_expert is None:
-            return routed
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self._shared(x, out.to(x.dtype))
 
     def _forward_resident(self, x: torch.Tensor) -> torch.Tensor:
         """The draft pass of self-speculation with resident experts (DraftExpert, arXiv
@@ -94,8 +104,11 @@ class SparseMoE(nn.Module):
         load. The unrestricted choice is handed to the prefetcher: the verify pass will
         need those experts, and it is given to the eviction policy as a retention hint.
         Nothing is counted as a hit or miss, and the policy sees no access for the draft."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)  # [T, E]
-        full_w, full_ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] what the full model picks
+        router = self.gate
+        scores = router.scores(x)  # [T, E]
+        choice = router.choice_scores(scores)  # [T, E]
+        full_ids = router.select(choice)  # [T, k] what the full model picks
+        full_w = router.weigh(scores, full_ids)  # [T, k]
         view = self.store.resident_view(self.layer_idx)
         resident = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
         resident[list(view)] = True
@@ -104,10 +117,13 @@ class SparseMoE(nn.Module):
         missing = sorted(wanted - set(view))
         if missing:
             self.store.prefetch(self.layer_idx, missing)
-        masked = probs.masked_fill(~resident, -1.0)  # [T, E] non-resident experts rank last
-        weights, ids = torch.topk(masked, self.top_k, dim=-1)  # [T, k]
-        weights = weights.clamp_min(0.0)  # fewer than k resident: the rest weigh 0
-        total = full_w.sum(-1, keepdim=True) if not self.norm_topk_prob else torch.ones_like(full_w[:, :1])
+        masked = choice.masked_fill(~resident, float("-inf"))  # [T, E] non-resident experts rank last
+        ids = torch.topk(masked, self.top_k, dim=-1)[1]  # [T, k]
+        weights = scores.gather(1, ids) * resident[ids]  # [T, k]; fewer than k resident: the rest weigh 0
+        if self.norm_topk_prob:  # the mass the unrestricted top-k had
+            total = torch.full_like(full_w[:, :1], router.config.routed_scaling_factor)
+        else:
+            total = full_w.sum(-1, keepdim=True)
         weights = weights * (total / weights.sum(-1, keepdim=True).clamp_min(1e-20))  # [T, k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         for e in torch.unique(ids).tolist():
@@ -118,13 +134,10 @@ class SparseMoE(nn.Module):
             gate, up = linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
             y = linear(F.silu(gate) * up, w.down)  # [n, H]
             out.index_add_(0, rows, y.float() * weights[rows, which, None])
-        routed = out.to(x.dtype)
-        if self.shared_expert is None:
-            return routed
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self._shared(x, out.to(x.dtype))
 
     def _hint_next_layer(self, x: torch.Tensor) -> None:
         """Gate lookahead: the next MoE layer's router applied to this layer's input."""
-        next_layer, next_gate = self.lookahead
-        predicted = torch.topk(next_gate(x), self.top_k, dim=-1).indices  # [T, k]
+        next_layer, next_router = self.lookahead
+        predicted = next_router.select(next_router.choice_scores(next_router.scores(x)))  # [T, k]
         self.store.prefetch(next_layer, torch.unique(predicted).tolist())

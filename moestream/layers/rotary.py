@@ -98,6 +98,9 @@ class RotaryEmbedding(nn.Module):
     recomposition_frequencies`). Text positions are equal on the three axes, so [T] positions
     are the same as [3, T] copies of them.
 
+    `interleaved` (DeepSeek's layout, HF `apply_rotary_emb` / `apply_rotary_pos_emb_interleave`):
+    the rotated pairs are adjacent dims (x0, x1), (x2, x3) ..., pair j at frequency j.
+
     forward(positions [T] or [3, T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
     """
 
@@ -109,8 +112,10 @@ class RotaryEmbedding(nn.Module):
         device: torch.device,
         partial_rotary_factor: float = 1.0,
         mrope_section: tuple[int, int, int] | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        self.interleaved = interleaved
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         inv_freq, self.scale = rope_inv_freq(rope, self.rotary_dim, max_position_embeddings)
         # Computed on the CPU explicitly, so that building the model under a meta-device context works.
@@ -130,6 +135,10 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[self.mrope_axis].float().T * self.inv_freq[None, :]  # [T, R/2]
         else:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
+        if self.interleaved:
+            cos = (freqs.cos() * self.scale)[:, None, :]  # [T, 1, R/2] float32
+            sin = (freqs.sin() * self.scale)[:, None, :]
+            return _rotate_pairs(q, cos, sin, self.rotary_dim), _rotate_pairs(k, cos, sin, self.rotary_dim)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
         cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
         sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
@@ -144,3 +153,12 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    """x [T, H, D] with its first r dims rotated as adjacent pairs; cos, sin [T, 1, r/2] float32.
+    Computed in float32, as HF's complex-number form."""
+    pairs = x[..., :r].float().unflatten(-1, (r // 2, 2))  # [T, H, r/2, 2]
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rot = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2).to(x.dtype)  # [T, H, r]
+    return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)

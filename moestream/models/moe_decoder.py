@@ -1,17 +1,22 @@
-"""A decoder-only MoE transformer (pre-norm; token mixer then MoE or dense MLP per layer).
+"""A decoder-only MoE transformer (pre-norm; token mixer then MoE or dense MLP per layer),
+and the base class of the model files.
 
-Qwen3-MoE and Mixtral are this graph with different options and weight names; see
-`qwen3_moe.py` and `mixtral.py`. The hybrid models (`qwen3_next.py`, `qwen3_5_moe.py`) mix
-gated full-attention layers with Gated DeltaNet layers (`cfg.layer_types`). Parameter
-names equal HF's after `hf_name`.
+A model file (`qwen3_moe.py`, `deepseek_v2.py`, ...) subclasses `MoEForCausalLM` and states
+its parts, in the manner of mini-sglang's `models/` (a model file composes shared blocks):
+- `config_fields`: how its HF config becomes a `ModelConfig` (the fields beyond the common ones);
+- `make_attention`: its token mixer for layer i (GQA `Attention`, `MLAttention`, Gated DeltaNet);
+- `make_mlp`: its MoE block (`SparseMoE` with its router and shared expert) or dense MLP;
+- `expert_names` and `hf_name`: its checkpoint names. Parameter names equal HF's after `hf_name`.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from moestream.config import ModelConfig
+from moestream.config import HFConfigFields, ModelConfig
 from moestream.experts.interface import ExpertStore
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -24,57 +29,20 @@ from moestream.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    """x + mixer(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H]. The mixer is full
-    attention (`self_attn`, over a paged KV cache) or Gated DeltaNet (`linear_attn`, over
-    state slots)."""
+    """x + mixer(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H]. The mixer is attention
+    (`self_attn`, over a paged KV cache) or Gated DeltaNet (`linear_attn`, over state slots)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        idx: int,
-        rotary: RotaryEmbedding,
-        backend: AttentionBackend,
-        store: ExpertStore,
-        fused_gdn_projections: bool,
-    ) -> None:
+    def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         offset = cfg.norm_unit_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
-        self.is_linear = bool(cfg.layer_types) and cfg.layer_types[idx] == "linear_attention"
+        self.is_linear = isinstance(mixer, GatedDeltaNet)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(
-                cfg.hidden_size,
-                cfg.linear_num_key_heads,
-                cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim,
-                cfg.linear_conv_kernel_dim,
-                cfg.rms_norm_eps,
-                fused_gdn_projections,
-            )
+            self.linear_attn = mixer
         else:
-            self.self_attn = Attention(
-                cfg.hidden_size,
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                cfg.attention_bias,
-                cfg.rms_norm_eps if cfg.qk_norm else None,
-                rotary,
-                backend,
-                cfg.sliding_window,
-                cfg.attn_output_gate,
-                offset,
-            )
+            self.self_attn = mixer
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
-        self.mlp: nn.Module
-        if cfg.moe_layers[idx]:
-            self.mlp = SparseMoE(
-                cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, idx, store,
-                cfg.shared_expert_intermediate_size,
-            )
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -98,17 +66,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, store: ExpertStore, device: torch.device, fused_gdn: bool
-    ) -> None:
+    def __init__(self, cls: type["MoEForCausalLM"], cfg: ModelConfig, backend: AttentionBackend, store: ExpertStore,
+                 device: torch.device) -> None:
         super().__init__()
-        mm = cfg.multimodal
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor,
-                                 mm.mrope_section if mm is not None else None)
+        rotary = cls.make_rotary(cfg, device)
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, backend, store, fused_gdn) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(cls.make_layer(cfg, i, rotary, backend, store) for i in range(cfg.num_layers))
         moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         for moe, nxt in zip(moes, moes[1:]):
             moe.lookahead = (nxt.layer_idx, nxt.gate)
@@ -116,7 +79,9 @@ class DecoderModel(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """The whole model. Subclasses set `expert_names` and may override `hf_name`.
+    """The whole model. Subclasses set `display_name`, `expert_names` and `config_fields`,
+    and override the `make_*` parts that differ from the defaults (GQA attention, a
+    softmax-routed `SparseMoE`, a dense SwiGLU MLP).
 
     forward(input_ids [T] int64, positions [T] int64 (or [3, T] M-RoPE positions), kv_caches:
             per full-attention layer (k, v), meta, state_caches: per linear-attention layer
@@ -127,18 +92,69 @@ class MoEForCausalLM(nn.Module):
     compute_logits(hidden [N, H]) -> [N, V] float32
     """
 
+    # The model family's name in error messages ("Qwen3-MoE").
+    display_name: str = ""
     # Checkpoint names of expert e's (gate, up, down) weights in layer l, formatted with l and
     # e; the leading "model." stands for the config's `weight_prefix`.
-    expert_names: tuple[str, str, str] = ("", "", "")
-    # Qwen3-Next's fused, per-key-head interleaved GDN input projections.
-    fused_gdn_projections: bool = False
+    expert_names: tuple[str, str, str] = (
+        "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+        "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+        "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
+    )
+
+    # ---- configuration: HF config.json -> ModelConfig ------------------------------------
+
+    @classmethod
+    def decoder_fields(cls, f: HFConfigFields) -> tuple[HFConfigFields, dict[str, Any]]:
+        """The fields the decoder's config is read from (a multimodal config nests them), and
+        ModelConfig fields that come with them (e.g. `weight_prefix`, `multimodal`)."""
+        return f, {}
+
+    @classmethod
+    def config_fields(cls, f: HFConfigFields, common: dict[str, Any]) -> dict[str, Any]:
+        """ModelConfig fields of this model beyond the `common` ones `ModelConfig.from_dict`
+        read (at least num_experts, moe_layers, moe_intermediate_size, norm_topk_prob,
+        qk_norm). Raises ValueError (see `HFConfigFields`)."""
+        raise NotImplementedError
+
+    # ---- the graph ------------------------------------------------------------------------
+
+    @classmethod
+    def make_rotary(cls, cfg: ModelConfig, device: torch.device) -> RotaryEmbedding:
+        """The rotary embedding the attention layers share."""
+        mm = cfg.multimodal
+        return RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor,
+                               mm.mrope_section if mm is not None else None)
+
+    @classmethod
+    def make_attention(cls, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding,
+                       backend: AttentionBackend) -> nn.Module:
+        """Layer `idx`'s token mixer: GQA attention with the config's options."""
+        return Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
+            cfg.rms_norm_eps if cfg.qk_norm else None, rotary, backend, cfg.sliding_window,
+            cfg.attn_output_gate, cfg.norm_unit_offset, cfg.o_proj_bias,
+        )
+
+    @classmethod
+    def make_mlp(cls, cfg: ModelConfig, idx: int, store: ExpertStore) -> nn.Module:
+        """Layer `idx`'s MoE block, or its dense MLP when `cfg.moe_layers[idx]` is False."""
+        if not cfg.moe_layers[idx]:
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, idx, store,
+                         cfg.shared_expert_intermediate_size, cfg.shared_expert_gate, cfg.router)
+
+    @classmethod
+    def make_layer(cls, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding, backend: AttentionBackend,
+                   store: ExpertStore) -> DecoderLayer:
+        return DecoderLayer(cfg, cls.make_attention(cfg, idx, rotary, backend), cls.make_mlp(cfg, idx, store))
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, store: ExpertStore, device: torch.device) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act '{cfg.hidden_act}'; only silu is supported")
         self.config = cfg
-        self.model = DecoderModel(cfg, backend, store, device, self.fused_gdn_projections)
+        self.model = DecoderModel(type(self), cfg, backend, store, device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def hf_name(self, name: str) -> str:

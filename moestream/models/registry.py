@@ -1,5 +1,8 @@
-"""model_type -> model class."""
+"""model_type -> model class (one file per model in this package)."""
 
+from moestream.models.deepseek_v2 import DeepseekV2ForCausalLM
+from moestream.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moestream.models.glm4_moe import Glm4MoeForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -12,6 +15,9 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_moe": Qwen3_5MoeForCausalLM,
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
 }
 
 

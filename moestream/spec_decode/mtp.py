@@ -28,8 +28,7 @@ from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
-from moestream.layers.rotary import RotaryEmbedding
-from moestream.models.moe_decoder import DecoderLayer
+from moestream.models.registry import get_model_class
 
 MTP_PREFIX = "mtp."
 
@@ -45,13 +44,12 @@ class MTPLayer(nn.Module):
         layer_cfg = dataclasses.replace(
             cfg, num_layers=cfg.num_layers + 1, moe_layers=cfg.moe_layers + (True,),
             layer_types=(cfg.layer_types or ("full_attention",) * cfg.num_layers) + ("full_attention",))
-        mm = cfg.multimodal
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device, cfg.partial_rotary_factor,
-                                 mm.mrope_section if mm is not None else None)
+        model_class = get_model_class(cfg.model_type)
+        rotary = model_class.make_rotary(cfg, device)
         self.fc = Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, eps, offset)
         self.pre_fc_norm_hidden = RMSNorm(h, eps, offset)
-        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, cfg.num_layers, rotary, backend, store, False)])
+        self.layers = nn.ModuleList([model_class.make_layer(layer_cfg, cfg.num_layers, rotary, backend, store)])
         self.norm = RMSNorm(h, eps, offset)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

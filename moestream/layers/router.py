@@ -1,0 +1,98 @@
+"""MoE routers: score the experts, select the top-k, weigh the selected.
+
+One class covers the routing of every model moestream serves, each path following the
+transformers file it names, op for op (so that ties break the same way):
+- softmax, greedy top-k, optional renormalisation: `Qwen3MoeTopKRouter`, `MixtralTopKRouter`;
+- softmax, `group_limited_greedy`: `DeepseekV2TopkRouter` (group score = its max expert);
+- sigmoid, `noaux_tc`: `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter` (selection by score +
+  `e_score_correction_bias`, group score = sum of its top-2, weights from the unbiased
+  scores, renormalised with + 1e-20, times `routed_scaling_factor`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import RouterConfig
+from moestream.layers.linear import linear
+
+ROUTER_SCORING = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+class TopKRouter(nn.Module):
+    """forward(x [T, H]) -> (weights [T, k] float32, expert ids [T, k] int64).
+
+    Parameters, named as HF's: `weight` [E, H] (the router's linear layer), and for
+    `noaux_tc`, `e_score_correction_bias` [E] (float32).
+
+    Raises:
+        ValueError: an unknown scoring function or top-k method, or a group count that does
+            not divide the experts.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 config: RouterConfig = RouterConfig()) -> None:
+        super().__init__()
+        if config.scoring_func not in ROUTER_SCORING:
+            raise ValueError(f"unsupported router scoring_func '{config.scoring_func}'; supported: "
+                             f"{', '.join(ROUTER_SCORING)}")
+        if config.topk_method not in TOPK_METHODS:
+            raise ValueError(f"unsupported topk_method '{config.topk_method}'; supported: {', '.join(TOPK_METHODS)}")
+        if config.topk_method != "greedy" and (num_experts % config.n_group or config.topk_group > config.n_group):
+            raise ValueError(f"n_group {config.n_group} must divide the {num_experts} experts and be at least "
+                             f"topk_group {config.topk_group}")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if config.has_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+        self.num_experts, self.top_k, self.norm_topk_prob, self.config = num_experts, top_k, norm_topk_prob, config
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E] float32."""
+        if self.config.float32:
+            return F.linear(x.float(), self.weight.float())
+        return linear(x, self.weight).float()
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> expert scores [T, E] float32 (softmax or sigmoid of the logits)."""
+        logits = self.logits(x)
+        return logits.softmax(dim=-1) if self.config.scoring_func == "softmax" else logits.sigmoid()
+
+    def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores experts are ranked by [T, E]: `scores`, plus the correction bias for
+        `noaux_tc`, with the experts outside the chosen groups masked out."""
+        c = self.config
+        if c.topk_method == "greedy":
+            return scores
+        t, g = scores.shape[0], c.n_group
+        if c.topk_method == "group_limited_greedy":
+            group_scores = scores.view(t, g, -1).max(dim=-1).values  # [T, G]
+            fill, choice = 0.0, scores
+        else:  # noaux_tc
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(t, g, -1).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+            fill = float("-inf")
+        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+        score_mask = group_mask.unsqueeze(-1).expand(-1, g, self.num_experts // g).reshape(t, self.num_experts)
+        return choice.masked_fill(~score_mask.bool(), fill)
+
+    def select(self, choice: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] int64: the top-k of `choice` [T, E]."""
+        return torch.topk(choice, k=self.top_k, dim=-1, sorted=not self.config.float32)[1]
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routing weights [T, k] float32 of experts `ids` [T, k] under `scores` [T, E]."""
+        weights = scores.gather(1, ids)  # [T, k]
+        if self.norm_topk_prob:
+            eps = 1e-20 if self.config.scoring_func == "sigmoid" else 0.0
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps) if eps else weights / weights.sum(-1, True)
+        return weights * self.config.routed_scaling_factor  # x 1.0 is exact
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.scores(x)  # [T, E]
+        ids = self.select(self.choice_scores(scores))  # [T, k]
+        return self.weigh(scores, ids), ids
