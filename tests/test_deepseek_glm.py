@@ -89,6 +89,8 @@ def test_kv_cache_bytes_per_token(name: str, checkpoints, tmp_path_factory) -> N
     cfg = ModelConfig.from_hf(d)
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         llm = LLM(d, dtype=dtype, max_model_len=64)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, SamplingParams(temperature=0, max_tokens=4))
+        assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]  # runs in this dtype (router in float32)
         stats = llm.kv_cache_stats()
         if cfg.mla is not None:  # the latent and the rope key, nothing per head
             assert stats["bytes_per_token"] == cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * size

@@ -107,6 +107,9 @@ class TorchAttentionBackend:
             mask = k_pos <= q_pos  # [n, ctx]
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
+            if latent_values:  # one shared latent head: [n * Hq, D] @ [D, ctx], no per-head copies
+                out[qs:qe] = _latent_attention(q[qs:qe], keys[:, 0], vals[:, 0], mask[:, None, :], scale)
+                continue
             o = F.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1),  # [Hq, n, D]
                 keys.transpose(0, 1),  # [Hk, ctx, D]
@@ -145,6 +148,9 @@ class TorchAttentionBackend:
         mask = k_pos < ctx  # [b, W*bs]
         if sliding_window is not None:
             mask &= k_pos > ctx - 1 - sliding_window
+        if latent_values:
+            out[rows] = _latent_attention(q[rows], keys[:, :, 0], vals[:, :, 0], mask[:, None, :], scale, batched=True)
+            return
         o = F.scaled_dot_product_attention(
             q[rows][:, :, None, :],  # [b, Hq, 1, D]
             keys.transpose(1, 2),  # [b, Hk, W*bs, D]
@@ -154,3 +160,18 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )  # [b, Hq, 1, D]
         out[rows] = o[:, :, 0, :]
+
+
+def _latent_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float,
+                      batched: bool = False) -> torch.Tensor:
+    """Attention of many query heads to one shared key/value head (MLA's latent), as two
+    matmuls in float32 (HF's eager attention takes its softmax in float32 too).
+
+    Unbatched: q [n, Hq, D], keys [S, D], vals [S, Dv], mask [n, 1, S] bool -> [n, Hq, Dv].
+    Batched (one query per sequence): q [b, Hq, D], keys [b, S, D], vals [b, S, Dv],
+    mask [b, 1, S] -> [b, Hq, Dv]. Output in q's dtype.
+    """
+    qf, kf, vf = q.float(), keys.float(), vals.float()
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) if batched else torch.matmul(qf, kf.T)  # [n|b, Hq, S]
+    scores = (scores * scale).masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), vf).to(q.dtype)  # [n|b, Hq, Dv]
