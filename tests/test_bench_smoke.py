@@ -47,18 +47,18 @@ def test_checkpoint_eviction_bench_runs(tmp_path) -> None:
 
 
 def test_spec_decode_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
-    """ngram and draft_experts (with their baselines, added by the bench) run on the tiny
-    checkpoint, all outputs equal off's, and draft_experts under the budget reads expert bytes
-    (a figure the table reports)."""
+    """draft_experts under a budget (with its baseline, added by the bench) runs on the tiny
+    checkpoint, its outputs equal off's, and both read expert bytes (a figure the table
+    reports). ngram's exactness is tested in test_spec_decode.py."""
     out = str(tmp_path / "spec")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "spec_decode.py"), "--checkpoint", qwen3_moe_dir,
-           "--prompts", "1", "--max-wait", "0", "--out", out, "--methods", "ngram k=3,draft_experts k=3 @25%"]
+           "--prompts", "1", "--max-wait", "0", "--out", out, "--methods", "draft_experts k=3 @25%"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.load(open(out + ".json"))
     assert data["meta"]["outputs_identical_to_off"] is True
     res = data["results"]
-    assert list(res) == ["off", "ngram k=3", "off @25%", "draft_experts k=3 @25%"]
-    assert res["off"]["edit"]["expert_bytes_per_token"] == 0 and res["off @25%"]["edit"]["expert_bytes_per_token"] > 0
+    assert list(res) == ["off @25%", "draft_experts k=3 @25%"]
+    assert res["off @25%"]["edit"]["expert_bytes_per_token"] > 0
     assert res["draft_experts k=3 @25%"]["chat"]["mean_acceptance_length"] > 1
-    assert open(out + ".md").read().count("\n") == 2 + 2 + 3 * 4
+    assert open(out + ".md").read().count("\n") == 2 + 2 + 3 * 2

@@ -82,7 +82,7 @@ def test_speculative_config_follows_vllm() -> None:
 # ---- the engine ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 5])
 def test_greedy_equals_off_and_hf(model_dir: str, hf_reference: HFReference, k: int) -> None:
     prompts = _prompts()
     llm = LLM(model_dir, dtype="float32", max_model_len=256,

@@ -67,7 +67,7 @@ def _states(engine, rid: str) -> list[torch.Tensor]:
     return [t[slot].clone() for pair in pool.caches() for t in pair]
 
 
-@pytest.mark.parametrize("right", [0, 1, 2, 3])
+@pytest.mark.parametrize("right", [1, 3])
 def test_state_after_each_step_equals_a_run_that_never_drafted(hybrid_dir: str, right: int) -> None:
     """Drafts right for `right` of 3 positions, then wrong: after every step the slot holds
     the conv and recurrent states a no-draft run holds after the same tokens, and the
