@@ -251,7 +251,7 @@ class ModelConfig:
             )
         quant = hf.get("quantization_config")
         if quant is not None:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            method = (quant.get("quant_method") or "unspecified") if isinstance(quant, dict) else quant
             block = quant.get("weight_block_size") if isinstance(quant, dict) else None
             raise ValueError(
                 f"{where}: the checkpoint is quantized (quantization_config quant_method '{method}'"
@@ -293,18 +293,42 @@ class ModelConfig:
                                                     minimum=int(dense))
         if common.get("o_proj_bias") is None:
             common["o_proj_bias"] = common["attention_bias"]
-        router: RouterConfig = common.get("router", RouterConfig())
-        if router.topk_method != "greedy":
-            group = common["num_experts"] // router.n_group
-            if common["num_experts"] % router.n_group or router.topk_group > router.n_group \
-                    or (router.topk_method == "noaux_tc" and group < 2):
-                raise f.error("n_group", f"is {router.n_group}: it must divide the {common['num_experts']} routed "
-                                         f"experts into groups of at least {2 if router.topk_method == 'noaux_tc' else 1}"
-                                         f", and be at least topk_group ({router.topk_group})")
+        _check_model_fields(f, common)
         return ModelConfig(**common)
 
 
 REQUIRED: Any = object()  # `default` of a field that must be present
+
+
+def _check_model_fields(f: "HFConfigFields", c: dict[str, Any]) -> None:
+    """Checks across fields of a normalised config `c` (read from `f`), so that a config the
+    model cannot run fails at start-up, naming the field, rather than at its first request.
+
+    Raises:
+        ValueError: top-k above the expert count, a router group layout that does not fit
+            the experts, a partial rotary factor outside (0, 1] or giving an odd rotary dim,
+            an odd MLA rope head dim, or a non-positive routed_scaling_factor.
+    """
+    experts, top_k = c["num_experts"], c["num_experts_per_tok"]
+    if experts and top_k > experts:
+        raise f.error("num_experts_per_tok", f"is {top_k}, more than the {experts} routed experts")
+    router: RouterConfig = c.get("router", RouterConfig())
+    if router.routed_scaling_factor <= 0:
+        raise f.error("routed_scaling_factor", f"must be positive, got {router.routed_scaling_factor}")
+    if router.topk_method != "greedy":
+        if experts % router.n_group:
+            raise f.error("n_group", f"is {router.n_group}; it must divide the {experts} routed experts")
+        if router.topk_method == "noaux_tc" and experts // router.n_group < 2:
+            raise f.error("n_group", f"is {router.n_group}; groups are ranked by their top-2 experts, so each of "
+                                     f"them needs at least 2 of the {experts} routed experts")
+        if router.topk_group > router.n_group:
+            raise f.error("topk_group", f"is {router.topk_group}, more than the n_group {router.n_group} groups")
+    factor = c.get("partial_rotary_factor", 1.0)
+    if c.get("mla") is None and not (0 < factor <= 1 and int(c["head_dim"] * factor) % 2 == 0):
+        raise f.error("partial_rotary_factor", f"is {factor}; it must be in (0, 1] and give an even number of "
+                                               f"rotary dims of the {c['head_dim']}-dim heads")
+    if c.get("mla") is not None and c["mla"].qk_rope_head_dim % 2:
+        raise f.error("qk_rope_head_dim", f"is {c['mla'].qk_rope_head_dim}; rotary dims come in pairs, so it must be even")
 
 
 class HFConfigFields:
@@ -425,7 +449,20 @@ def _rope_from_hf(f: HFConfigFields) -> RopeConfig:
         )
     for key in _ROPE_NUMBERS:
         rope.number(key, default=None)
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        if rope.hf.get(key) is None:
+            raise rope.error(key, f"is missing; rope type '{rope_type}' needs {', '.join(_ROPE_REQUIRED[rope_type])}")
+    if rope_type != "default" and rope.number("factor") <= 0:
+        raise rope.error("factor", f"must be positive, got {rope.number('factor')}")
     return RopeConfig(rope_type=rope_type, theta=theta, params=tuple(sorted(params.items())))
+
+
+# Keys each scaled rope type cannot do without (transformers' modeling_rope_utils.py reads them unguarded).
+_ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None) -> torch.dtype:

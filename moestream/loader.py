@@ -158,8 +158,8 @@ def _log_unread_layers(cfg: ModelConfig, reader: CheckpointReader) -> None:
                 extra[int(idx)] = extra.get(int(idx), 0) + 1
     if extra:
         layers = ", ".join(f"{prefix}{i} ({n} tensors)" for i, n in sorted(extra.items()))
-        logger.info("not loading %s: layers past num_hidden_layers=%d are the checkpoint's multi-token-prediction "
-                    "(next-n) layers, which moestream does not use for this model", layers, cfg.num_layers)
+        logger.info("not loading %s: layers past num_hidden_layers=%d are not part of the model (in DeepSeek-V3 "
+                    "and GLM-4.5 checkpoints, the multi-token-prediction / next-n layers)", layers, cfg.num_layers)
 
 
 def _expert_names(cfg: ModelConfig, layer: int, expert: int) -> tuple[str, str, str]:

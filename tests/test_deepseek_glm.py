@@ -212,15 +212,29 @@ def _write_config(d: str, **changes: object) -> str:
     return json.dumps(cfg)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddings=128)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("deepseek_v2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
      "quantized (quantization_config quant_method 'fp8', weight_block_size [128, 128])"),
-    (dict(topk_method="noaux_tc"), "field 'topk_method' is 'noaux_tc'"),
-    (dict(topk_method="group_limited_greedy", n_group=3, topk_group=2), "field 'n_group' is 3"),
-    (dict(mlp_bias=True), "field 'mlp_bias' is true"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "field 'topk_method' is 'noaux_tc'"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2),
+     "field 'n_group' is 3; it must divide the 8 routed experts"),
+    ("deepseek_v2", dict(mlp_bias=True), "field 'mlp_bias' is true"),
+    # found by a break-test: each of these loaded, then failed inside torch at the first request
+    ("deepseek_v2", dict(num_experts_per_tok=9), "field 'num_experts_per_tok' is 9, more than the 8 routed experts"),
+    ("deepseek_v3", dict(topk_group=5), "field 'topk_group' is 5, more than the n_group 4 groups"),
+    ("deepseek_v3", dict(n_group=8), "field 'n_group' is 8; groups are ranked by their top-2 experts"),
+    ("deepseek_v3", dict(qk_rope_head_dim=7), "field 'qk_rope_head_dim' is 7"),
+    ("deepseek_v3", dict(routed_scaling_factor=-1.0), "field 'routed_scaling_factor' must be positive, got -1.0"),
+    ("deepseek_v3", dict(rope_parameters=_YARN), "field 'rope_parameters.factor' is missing; rope type 'yarn' needs"),
+    ("deepseek_v3", dict(rope_parameters=dict(_YARN, factor=-1.0)), "field 'rope_parameters.factor' must be positive"),
+    ("glm4_moe", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=1.5)),
+     "field 'partial_rotary_factor' is 1.5; it must be in (0, 1]"),
 ])
-def test_config_errors(changes: dict, message: str, checkpoints, tmp_path_factory) -> None:
-    d = _dir(checkpoints, tmp_path_factory, "deepseek_v2")
+def test_config_errors(name: str, changes: dict, message: str, checkpoints, tmp_path_factory) -> None:
+    d = _dir(checkpoints, tmp_path_factory, name)
     with pytest.raises(ValueError) as err:
         ModelConfig.from_dict(json.loads(_write_config(d, **changes)), "x/config.json")
     assert message in str(err.value) and "config.json at x/config.json" in str(err.value)
