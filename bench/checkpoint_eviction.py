@@ -38,9 +38,10 @@ BONUSES = (0.0, 1.0)
 NEW_TOKENS = 8
 
 
-def workload(seed: int = 0) -> list[tuple[str, list[int]]]:
+def workload(seed: int = 0, scale: float = 1.0) -> list[tuple[str, list[int]]]:
     """(kind, prompt ids, or a chat's next message ids) in arrival order; a chat turn's prompt
-    is built as it runs (its history plus the message)."""
+    is built as it runs (its history plus the message). `scale` multiplies the number of
+    questions per system prompt, chats and one-off prompts (at least one of each)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
@@ -49,15 +50,15 @@ def workload(seed: int = 0) -> list[tuple[str, list[int]]]:
     items: list[tuple[str, list[int]]] = []
     for length in (192, 320, 448, 576):
         system = toks(length)
-        items += [("shared", system + toks(24)) for _ in range(12)]
-    for chat in range(4):
+        items += [("shared", system + toks(24)) for _ in range(max(1, round(12 * scale)))]
+    for chat in range(max(1, round(4 * scale))):
         items += [(f"chat{chat}", toks(24)) for _ in range(5)]
-    items += [("unique", toks(300)) for _ in range(16)]
+    items += [("unique", toks(300)) for _ in range(max(1, round(16 * scale)))]
     rng.shuffle(items)  # a chat's turns are its items in the order they come
     return items
 
 
-def run(ckpt: str, alpha: float, bonus: float, device_ckpts: int, host_ckpts: int) -> dict:
+def run(ckpt: str, alpha: float, bonus: float, device_ckpts: int, host_ckpts: int, scale: float = 1.0) -> dict:
     from moestream import LLM, SamplingParams
 
     probe = LLM(ckpt, dtype="float32", max_model_len=2048, enable_prefix_caching=False)
@@ -71,7 +72,7 @@ def run(ckpt: str, alpha: float, bonus: float, device_ckpts: int, host_ckpts: in
     history: dict[str, list[int]] = {}
     per_kind: dict[str, list[int]] = {}
     start = time.perf_counter()
-    for kind, ids in workload():
+    for kind, ids in workload(scale=scale):
         prompt = history.get(kind, []) + ids if kind.startswith("chat") else ids
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         if kind.startswith("chat"):
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alphas", default=",".join(f"{a:g}" for a in ALPHAS), help="comma-separated alphas")
     ap.add_argument("--bonuses", default=",".join(f"{b:g}" for b in BONUSES), help="comma-separated hit bonuses")
     ap.add_argument("--out", default="bench/results/checkpoint_eviction", help="output path prefix")
+    ap.add_argument("--workload-scale", type=float, default=1.0,
+                    help="multiplies the questions, chats and one-off prompts (default 1: the documented workload)")
     args = ap.parse_args(argv)
     alphas = [float(a) for a in args.alphas.split(",")]
     bonuses = [float(b) for b in args.bonuses.split(",")]
@@ -102,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(os.path.join(tmp, "next"), "qwen3_next", seed=2, max_position_embeddings=2048)
-        results = [run(ckpt, a, b, args.device_checkpoints, args.host_checkpoints) for b in bonuses for a in alphas]
+        results = [run(ckpt, a, b, args.device_checkpoints, args.host_checkpoints, args.workload_scale)
+                   for b in bonuses for a in alphas]
     for r in results:
         print(json.dumps(r), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

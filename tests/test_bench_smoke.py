@@ -36,7 +36,7 @@ def test_checkpoint_eviction_bench_runs(tmp_path) -> None:
     """LRU against the default rule: both hit, and the default hits more (the workload is fixed)."""
     out = str(tmp_path / "eviction")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "checkpoint_eviction.py"), "--alphas", "0,2", "--bonuses", "0",
-           "--out", out]
+           "--workload-scale", "0.4", "--out", out]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.load(open(out + ".json"))["results"]

@@ -236,7 +236,7 @@ def test_no_drafts_past_max_model_len(qwen3_moe_dir: str) -> None:
     assert torch.is_tensor(llm.llm_engine.runner.kv_caches[0][0])
 
 
-@pytest.mark.parametrize("right", [0, 1, 2, 3])
+@pytest.mark.parametrize("right", [0, 1, 3])
 def test_forced_rejections_stay_exact(qwen3_moe_dir: str, right: int) -> None:
     """A test drafter proposes the reference's next `right` tokens, then wrong ones. The output
     is still the reference, and each drafted step accepts exactly min(right, its drafts)."""
