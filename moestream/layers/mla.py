@@ -22,7 +22,7 @@ from torch import nn
 
 from moestream.config import MLAConfig
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
-from moestream.layers.linear import Linear
+from moestream.layers.linear import Linear, cpu_has_native_bf16
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import RotaryEmbedding
 
@@ -70,14 +70,22 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)  # [T, r], [T, dr]
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])  # [T, H, dr], [T, 1, dr]
-        # The absorbed products run in float32 (bf16 values are exact there), whatever the
-        # batch: fast on CPUs without native bf16 matmul, and a row never depends on the others.
-        w = self.kv_b_proj.weight.view(h, dn + dv, r).float()
+        # On CPUs without native bf16 matmul the absorbed products run in float32 (bf16 values
+        # are exact there), whatever the batch, so a row never depends on the others.
+        w = self.kv_b_proj.weight.view(h, dn + dv, r)
+        calc = torch.float32 if _slow_low_precision(w) else w.dtype
+        w = w.to(calc)  # a no-op unless upcast
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, r], [H, dv, r]
-        q_latent = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk).to(x.dtype)  # [T, H, r]
+        q_latent = torch.einsum("thd,hdr->thr", q_nope.to(calc), w_uk).to(x.dtype)  # [T, H, r]
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, r + dr]
         key = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, r + dr], what the cache keeps
         o = self.backend.forward(query, key, None, kv_cache[0], kv_cache[1], meta, m.softmax_scale, None,
                                  latent_values=r)  # [T, H, r]
-        o = torch.einsum("thr,hvr->thv", o.float(), w_uv).to(x.dtype)  # [T, H, dv]
+        o = torch.einsum("thr,hvr->thv", o.to(calc), w_uv).to(x.dtype)  # [T, H, dv]
         return self.o_proj(o.reshape(t, h * dv))
+
+
+def _slow_low_precision(w: torch.Tensor) -> bool:
+    """A bf16/fp16 weight on a CPU without native bf16 matmul (where torch's low-precision
+    GEMM is several times slower than float32)."""
+    return w.device.type == "cpu" and w.dtype in (torch.bfloat16, torch.float16) and not cpu_has_native_bf16()

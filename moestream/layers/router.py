@@ -88,8 +88,10 @@ class TopKRouter(nn.Module):
         """Routing weights [T, k] float32 of experts `ids` [T, k] under `scores` [T, E]."""
         weights = scores.gather(1, ids)  # [T, k]
         if self.norm_topk_prob:
-            eps = 1e-20 if self.config.scoring_func == "sigmoid" else 0.0
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps) if eps else weights / weights.sum(-1, True)
+            total = weights.sum(dim=-1, keepdim=True)  # [T, 1]
+            if self.config.scoring_func == "sigmoid":
+                total = total + 1e-20  # HF's DeepseekV3 / Glm4Moe guard
+            weights = weights / total
         return weights * self.config.routed_scaling_factor  # x 1.0 is exact
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
