@@ -427,6 +427,14 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
                 v = ok[p].get(w, {}).get("output_tok_per_s")
                 cells.append(f"{m / v:.2f}x" if m and v else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    roof = meta.get("roofline")
+    if roof:
+        line = (f"\nRoofline: one decode step of one sequence reads {roof['decode_weight_bytes'] / 2**20:.1f} MiB of "
+                f"weights; at the single-thread copy bandwidth measured before the run, "
+                f"{roof['copy_bytes_per_s'] / 1e9:.1f} GB/s, c1 decode is at most {roof['c1_tok_per_s']:.1f} tok/s")
+        m = {e: ok[e].get("c1", {}).get("tpot_p50_s") for e in engines}
+        shares = [f"{e} {1 / t / roof['c1_tok_per_s']:.0%}" for e, t in m.items() if t]
+        lines.append(line + (" (c1 decode, 1/TPOT p50, as a share of it: " + ", ".join(shares) + ")." if shares else "."))
     lines += ["", "| engine | workload | tok/s | TTFT p50 (s) | TTFT p99 (s) | TPOT p50 (ms) | TPOT p99 (ms) | peak RSS (GiB) |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     for e in engines:
@@ -470,6 +478,43 @@ def plot(results: dict[str, dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """The machine's single-thread memory-copy bandwidth, bytes/s: best of `repeats` copies of
+    `nbytes` (read + write, counted once each, as a decode step reads weights and writes little)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        return 2 * nbytes / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def decode_weight_bytes(ckpt: str, dtype: str) -> int | None:
+    """Weight bytes one decode step of one sequence reads: per layer the attention projections,
+    the router and top-k routed experts (or the dense MLP), plus any shared expert; then the
+    lm_head. None for MLA and linear-attention models (not modelled here)."""
+    from moestream.config import ModelConfig
+
+    c = ModelConfig.from_hf(ckpt)
+    if c.mla is not None or c.is_hybrid:
+        return None
+    attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+    elems = c.vocab_size * c.hidden_size
+    for sparse in c.moe_layers:
+        mlp = (c.num_experts * c.hidden_size + c.num_experts_per_tok * 3 * c.moe_intermediate_size * c.hidden_size
+               + 3 * c.shared_expert_intermediate_size * c.hidden_size) if sparse else 3 * c.intermediate_size * c.hidden_size
+        elems += attn + mlp
+    return elems * (4 if dtype == "float32" else 2)
+
+
 def resolve_checkpoint(name: str, cache_dir: str) -> str:
     """A directory, or a make_checkpoint preset made (once) under `cache_dir`."""
     if os.path.isdir(name):
@@ -482,7 +527,8 @@ def resolve_checkpoint(name: str, cache_dir: str) -> str:
     return ensure_checkpoint(name, os.path.join(cache_dir, name))
 
 
-def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: str, done: bool) -> str:
+def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: str, done: bool,
+                  roofline: dict | None = None) -> str:
     """Write throughput.{json,md,png} from the rounds so far (after every engine run, so that
     an interrupted run keeps what it measured); returns the markdown."""
     results = aggregate({e: rs for e, rs in runs.items() if rs})
@@ -493,7 +539,7 @@ def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: s
             "mixed_concurrency": args.mixed_concurrency, "repeats": args.repeats,
             "rounds_done": max(len(rs) for rs in runs.values()), "complete": done,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_load_before": max(loads, default=0.0),
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "roofline": roofline}
     # the 1-minute load still holds the previous engine's own threads: busy means more than that
     meta["preliminary"] = bool(args.preliminary or meta["max_load_before"] > args.threads + BUSY_LOAD)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -554,6 +600,11 @@ def main(argv: list[str] | None = None) -> int:
         specs[e] = dict(base, workloads=[{"name": w.name, "concurrency": w.concurrency,
                                           "requests": [asdict(r) for r in w.requests]} for w in chosen])
     runs: dict[str, list[dict]] = {e: [] for e in engines}
+    roofline = None
+    step_bytes = decode_weight_bytes(ckpt, args.dtype)
+    if step_bytes is not None:
+        bw = copy_bandwidth()
+        roofline = {"decode_weight_bytes": step_bytes, "copy_bytes_per_s": bw, "c1_tok_per_s": bw / step_bytes}
     for rnd in range(args.repeats):
         for e in engines:
             if runs[e] and runs[e][-1].get("status") == "not installed":
@@ -563,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             if res["status"] != "ok":
                 print(f"  {e}: {res['status']}: {str(res['error'])[-800:]}", file=sys.stderr, flush=True)
             runs[e].append(res)
-            md = write_results(runs, args, ckpt, done=rnd == args.repeats - 1 and e == engines[-1])
+            md = write_results(runs, args, ckpt, done=rnd == args.repeats - 1 and e == engines[-1], roofline=roofline)
     print(md)
     return 0
 

@@ -621,6 +621,14 @@ class EngineConfig:
             (vLLM's flag), e.g. {"image": 4, "video": 1}; defaults 16 images, 1 video.
         max_image_pixels: multimodal checkpoints: most pixels (width x height) of an input
             image or video frame, refused before its pixels are decoded (default 8192 x 8192).
+        batch_invariant: a request's output, logits included, does not depend on which other
+            requests share its steps (vLLM's batch-invariant mode, SGLang's deterministic
+            inference): every matmul runs in calls of a fixed number of rows and decode
+            attention runs one request at a time. Slower (docs/performance.md); off by
+            default. Full-attention models only (Qwen3-MoE, Mixtral, GLM-4.5); refused for
+            MLA and hybrid linear-attention models. A prompt's prefill chunks must be the
+            same to compare: a prefix-cache hit computes the uncached tail as its own chunk,
+            whose attention sums in another order (turn prefix caching off for that).
     """
 
     model: str
@@ -650,6 +658,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     limit_mm_per_prompt: dict | None = None
     max_image_pixels: int = 8192 * 8192
+    batch_invariant: bool = False
 
     @property
     def resolved_expert_prefetch(self) -> str:
@@ -707,6 +716,8 @@ class EngineConfig:
             raise ValueError(f"enable_elastic_memory must be True or False, got {self.enable_elastic_memory!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         if self.expert_policy not in POLICY_NAMES:

@@ -55,6 +55,7 @@ class LLM:
         speculative_config: dict | None = None,
         limit_mm_per_prompt: dict | None = None,
         max_image_pixels: int = 8192 * 8192,
+        batch_invariant: bool = False,
     ) -> None:
         self.llm_engine = LLMEngine(
             EngineConfig(
@@ -85,6 +86,7 @@ class LLM:
                 speculative_config=speculative_config,
                 limit_mm_per_prompt=limit_mm_per_prompt,
                 max_image_pixels=max_image_pixels,
+                batch_invariant=batch_invariant,
             )
         )
 

@@ -1,30 +1,72 @@
-"""SparseMoE: grouped execution asks the store only for experts that received tokens, and
-equals a naive per-token loop."""
+"""SparseMoE and its expert executors: the paged executor asks the store only for experts
+that received tokens, in waves of the store's slots; the resident executor's grouped
+matmuls equal the per-expert loop bit for bit; both equal a naive per-token sum."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from moestream.experts.resident import ResidentExpertStore
+from moestream.layers.expert_executor import (
+    PagedExpertExecutor,
+    ResidentExpertExecutor,
+    grouped_mm_matches_linear,
+)
+from moestream.layers.linear import linear
 from moestream.layers.moe import SparseMoE
 
 
-class RecordingStore(ResidentExpertStore):
-    def __init__(self) -> None:
-        super().__init__()
+class RecordingStore:
+    """A paged-style store over resident tensors: records `ensure` calls, serves at most
+    `slots` experts per call."""
+
+    lookahead = False
+
+    def __init__(self, inner: ResidentExpertStore, slots: int = 1 << 30) -> None:
+        self.inner, self.slots = inner, slots
         self.calls: list[tuple[int, list[int]]] = []
+        self.routed: list[torch.Tensor] = []
 
     def ensure(self, layer, expert_ids):
+        assert len(expert_ids) <= self.slots
         self.calls.append((layer, list(expert_ids)))
-        return super().ensure(layer, expert_ids)
+        return self.inner.ensure(layer, expert_ids)
+
+    def max_experts_per_call(self) -> int:
+        return self.slots
+
+    def on_route(self, layer, topk_ids, topk_weights) -> None:
+        self.routed.append(topk_ids.clone())
+
+    def prefetch(self, layer, expert_ids) -> None:
+        pass
+
+    def hint(self, layer, expert_ids) -> None:
+        pass
+
+    def resident_view(self, layer):
+        return self.inner.resident_view(layer)
 
 
-def test_grouped_experts_match_naive_and_skip_idle_experts() -> None:
+def _naive(x, weights, ids, gate_up, down):
+    ref = torch.zeros(x.shape)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k].item()
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            ref[t] += weights[t, k] * (down[e] @ (F.silu(g) * u))
+    return ref
+
+
+def test_paged_executor_asks_only_for_active_experts_and_matches_naive() -> None:
     torch.manual_seed(0)
     H, I, E, K, T = 16, 8, 6, 2, 5
-    store = RecordingStore()
+    inner = ResidentExpertStore()
     gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
-    store.set_layer(3, gate_up, down)
+    inner.set_layer(3, gate_up, down)
+    store = RecordingStore(inner)
     moe = SparseMoE(H, E, K, norm_topk_prob=True, layer_idx=3, store=store)
+    assert isinstance(moe.experts, PagedExpertExecutor)
     with torch.no_grad():
         moe.gate.weight.normal_()
         moe.gate.weight[4] = -100.0  # expert 4 never wins a token
@@ -34,11 +76,56 @@ def test_grouped_experts_match_naive_and_skip_idle_experts() -> None:
         weights, ids = moe.route(x)
     assert store.calls == [(3, sorted(set(ids.flatten().tolist())))]
     assert 4 not in store.calls[0][1]
-    ref = torch.zeros(T, H)
-    for t in range(T):
-        for k in range(K):
-            e = ids[t, k].item()
-            g, u = (gate_up[e] @ x[t]).chunk(2)
-            ref[t] += weights[t, k] * (down[e] @ (F.silu(g) * u))
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(store.routed[0], ids)
+    torch.testing.assert_close(y, _naive(x, weights, ids, gate_up, down), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(T))  # norm_topk_prob renormalises
+
+
+def _old_loop(x, weights, ids, gate_up, down):
+    """The per-expert loop SparseMoE ran before the executors (kept here as the reference)."""
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of, pair_w = order // ids.shape[1], weights.flatten()[order]
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    out, start = torch.zeros(x.shape, dtype=torch.float32), 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        rows = token_of[start : start + c]
+        g, u = linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = linear(F.silu(g) * u, down[e])
+        out.index_add_(0, rows, y.float() * pair_w[start : start + c, None])
+        start += c
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 70])
+def test_resident_executor_equals_per_expert_loop_bitwise(dtype: torch.dtype, tokens: int) -> None:
+    """Random routing (some experts idle, some with many rows): the resident executor (grouped
+    matmuls where they equal `linear`) and the paged executor in waves of 3 experts give the
+    old per-expert loop's output bit for bit."""
+    torch.manual_seed(tokens)
+    H, I, E, K = 64, 32, 12, 4
+    gate_up = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I) / I**0.5).to(dtype)
+    store = ResidentExpertStore()
+    store.set_layer(0, gate_up, down)
+    x = torch.randn(tokens, H).to(dtype)
+    hot = torch.randperm(E)[: E - 3]  # three experts get no tokens
+    ids = torch.stack([hot[torch.randperm(len(hot))[:K]] for _ in range(tokens)])  # [T, K]
+    weights = torch.rand(tokens, K)
+    ref = _old_loop(x, weights, ids, gate_up, down)
+    resident = ResidentExpertExecutor(store, 0, E).forward(x, weights, ids)
+    paged = PagedExpertExecutor(RecordingStore(store, slots=3), 0, E).forward(x, weights, ids)
+    assert torch.equal(resident, ref)
+    assert torch.equal(paged, ref)
+    torch.testing.assert_close(ref, _naive(x.float(), weights, ids, gate_up.float(), down.float()),
+                               rtol=0.05 if dtype == torch.bfloat16 else 1e-5, atol=0.05 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_grouped_matmul_used_on_cpu_float32() -> None:
+    """The resident executor's grouped path is the one float32 on CPU takes (so the bitwise test
+    above tests it), and never in the batch-invariant mode's row tiles."""
+    assert grouped_mm_matches_linear(torch.float32, torch.device("cpu"))
+    assert not grouped_mm_matches_linear(torch.float32, torch.device("meta"))

@@ -29,6 +29,7 @@ from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.generation_config import default_sampling_fields
 from moestream.layers.attention_backend import TorchAttentionBackend
+from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE
 from moestream.layers.linear import cpu_has_native_bf16
 from moestream.loader import (
     CheckpointReader,
@@ -261,7 +262,9 @@ class LLMEngine:
                 compute_in_place=self.device.type == "cpu",
                 slot_views=self.elastic_memory.expert_views() if self.elastic_memory is not None else None,
             )
-        model = build_model(mcfg, reader, self.dtype, self.device, TorchAttentionBackend(), store)
+        model = build_model(mcfg, reader, self.dtype, self.device, TorchAttentionBackend(config.batch_invariant), store)
+        if config.batch_invariant:
+            model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
         if plan.resident:
             load_resident_experts(mcfg, reader, self.dtype, self.device, store)
         self.expert_store = store

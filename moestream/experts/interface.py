@@ -1,6 +1,6 @@
 """The narrow interface through which model code reaches routed-expert weights.
 
-Model code calls `ensure(layer, expert_ids)` for at most `max_experts_per_call()` ids at a
+The paged expert executor (`layers/expert_executor.py`) calls `ensure(layer, expert_ids)` for at most `max_experts_per_call()` ids at a
 time (a layer whose batch needs more runs in waves), tells the store what the router
 chose (`on_route`), and may hint `prefetch(layer, ids)`. Implementations:
 `ResidentExpertStore` (everything on the device) and `PagedExpertStore` (device slots <-
@@ -26,7 +26,7 @@ class ExpertWeights(NamedTuple):
 
 
 class ExpertStore(Protocol):
-    """What SparseMoE needs from an expert store.
+    """What the expert executors and SparseMoE's draft pass need from an expert store.
 
     ensure(layer, expert_ids) -> one ExpertWeights per id, in order, all on the device and
         valid until the next `ensure` call.

@@ -30,6 +30,10 @@ class ResidentExpertStore:
         self._gate_up[layer] = gate_up
         self._down[layer] = down
 
+    def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s stacked experts: (gate_up [E, 2I, H], down [E, H, I])."""
+        return self._gate_up[layer], self._down[layer]
+
     def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
         gu, dn = self._gate_up[layer], self._down[layer]
         return [ExpertWeights(gu[e], dn[e]) for e in expert_ids]

@@ -66,7 +66,12 @@ class TorchAttentionBackend:
     p = L - n + j; it attends key positions t with t <= p and, with a sliding window W,
     t > p - W (HF's `sliding_window_overlay`). Requests with one new token (decodes) run
     together in one padded SDPA call; prefill chunks run one request at a time.
+    `batch_invariant`: decodes run one request at a time too, so that a request's attention
+    does not depend on the other requests' context lengths (the padded width).
     """
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def forward(
         self,
@@ -90,7 +95,7 @@ class TorchAttentionBackend:
         out = q.new_empty(q.shape[:-1] + (latent_values or v_cache.shape[-1],))  # [T, Hq, Dv]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        batched = set(decodes) if len(decodes) > 1 else set()
+        batched = set(decodes) if len(decodes) > 1 and not self.batch_invariant else set()
         if batched:
             self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out, latent_values)
         for i in range(len(lens)):

@@ -16,6 +16,9 @@ from torch import nn
 # the weight's conversion costs more than the slow low-precision GEMM saves; measured on an
 # AVX2 core: K=N=1024, the crossover is between 4 and 16 rows).
 UPCAST_MIN_ROWS = 8
+# Rows per matmul call in the batch-invariant mode (`batch_invariant_linear`): padding a decode
+# row to 8 costs 1.5-3x per call on the CPUs measured, a prefill's 8-row calls 2-10x.
+BATCH_INVARIANT_ROW_TILE = 8
 
 
 @functools.cache
@@ -27,8 +30,19 @@ def cpu_has_native_bf16() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a matmul of x with this low-precision weight computes in float32 on this CPU
+    (a CPU tensor, a bf16/fp16 weight, and no native bf16 matmul)."""
+    return (x.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            and not cpu_has_native_bf16())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_tile: int = 0) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x [..., in] @ weight[out, in].T -> [..., out], in x's dtype.
+
+    `row_tile` > 0 is the batch-invariant mode (`batch_invariant_linear`): every row is
+    computed by a call of exactly `row_tile` rows, so its result does not depend on how many
+    other rows share the call. 0 (default): one call, the fastest kernel for its shape.
 
     On a CPU without native bf16 (`cpu_has_native_bf16()`), a bf16/fp16 call with at least
     `UPCAST_MIN_ROWS` rows computes in float32 (x and weight upcast, result rounded back to
@@ -37,19 +51,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     there (docs/performance.md). Weights stay in their dtype in memory. The choice depends only on
     the call's shape and the CPU, never on the memory budget.
     """
-    if (
-        x.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]
-        and not cpu_has_native_bf16()
-    ):
+    if row_tile:
+        return batch_invariant_linear(x, weight, bias, row_tile)
+    if x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] and upcasts(x, weight):
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
 
 
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           row_tile: int) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T (+ bias) -> [..., out] in x's dtype, computed in calls of
+    exactly `row_tile` rows (the last one zero-padded), so that a row's arithmetic is the same
+    whatever the other rows of the batch are: BLAS kernels pick their blocking, and so their
+    summation order, by the call's shape (MKL's float32 GEMM rounds a row differently at 1, 2
+    and 16 rows). This is the CPU counterpart of vLLM's batch-invariant mode and SGLang's
+    deterministic inference (Thinking Machines, "Defeating Nondeterminism in LLM Inference",
+    2025), which fix the reduction order per row in their GPU kernels.
+
+    On a CPU without native bf16 a bf16/fp16 weight is upcast once per call, and every tile
+    then runs in float32. Raises ValueError for `row_tile` < 1.
+    """
+    if row_tile < 1:
+        raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k)  # [M, in]
+    if upcasts(x, weight):
+        rows, weight, bias = rows.float(), weight.float(), None if bias is None else bias.float()
+    m = rows.shape[0]
+    pad = -m % row_tile
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, k)])  # [M + pad, in]
+    out = torch.cat([F.linear(rows[i : i + row_tile], weight, bias) for i in range(0, m + pad, row_tile)])
+    return out[:m].to(x.dtype).reshape(*lead, weight.shape[0])  # [..., out]
+
+
 class Linear(nn.Module):
     """y = x @ weight.T (+ bias); x [..., in_features] -> [..., out_features]."""
+
+    row_tile = 0  # > 0: batch-invariant mode (`batch_invariant_linear`), set per model
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -57,7 +97,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.row_tile)
 
 
 class Embedding(nn.Module):

@@ -1,28 +1,29 @@
-"""Sparse MoE block: router -> top-k -> grouped expert SwiGLU -> weighted combine.
+"""Sparse MoE block: router -> top-k -> expert executor -> weighted combine.
 
-The router (`router.py`) scores, selects and weighs. Experts run grouped: the (token, k)
-pairs are sorted by expert id and only experts that received tokens run, each on its
-contiguous slice. Qwen3-Next / Qwen3.5-MoE add a dense shared expert scaled by
-sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock); DeepSeek and
-GLM-4.5 add `shared_experts` ungated (DeepseekV2Moe, Glm4MoeMoE).
+The router (`router.py`) scores, selects and weighs; the expert executor
+(`expert_executor.py`: resident, grouped matmuls; or paged through the expert store)
+computes the chosen experts and their weighted sum. Qwen3-Next / Qwen3.5-MoE add a dense
+shared expert scaled by sigmoid(shared_expert_gate(x)) (transformers'
+Qwen3NextSparseMoeBlock); DeepSeek and GLM-4.5 add `shared_experts` ungated
+(DeepseekV2Moe, Glm4MoeMoE).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import RouterConfig
 from moestream.experts.interface import ExpertStore
-from moestream.layers.linear import Linear, linear
+from moestream.layers.expert_executor import ExpertExecutor, PagedExpertExecutor, expert_swiglu, make_expert_executor
+from moestream.layers.linear import Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.router import TopKRouter
 
 
 class SparseMoE(nn.Module):
-    """forward(x [T, H]) -> [T, H]. Routed weights come from `store.ensure(layer_idx, ids)`;
-    a shared expert of `shared_intermediate_size` (> 0) is resident and always applied:
+    """forward(x [T, H]) -> [T, H]. Routed experts run on `experts`, the layer's executor
+    (`make_expert_executor(store, ...)`); a shared expert of `shared_intermediate_size` (> 0) is resident and always applied:
     gated (`shared_expert` scaled by sigmoid(`shared_expert_gate`(x))) when `shared_gate`,
     else added as is (`shared_experts`)."""
 
@@ -51,9 +52,13 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
         self.store = store
-        # (next MoE layer index, its router), set by the model; a tuple so that torch does
-        # not register the other layer's router as a submodule of this one.
-        self.lookahead: tuple[int, TopKRouter] | None = None
+        self.experts: ExpertExecutor = make_expert_executor(store, layer_idx, num_experts)
+
+    def set_lookahead(self, next_layer: int, router: TopKRouter) -> None:
+        """Gate lookahead for a paged executor: the next MoE layer's index and router (kept in
+        a tuple, so that torch does not register that router as a submodule of this layer)."""
+        if isinstance(self.experts, PagedExpertExecutor):
+            self.experts.lookahead = (next_layer, router)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing: (weights [T, k] float32, expert ids [T, k] int64)."""
@@ -72,30 +77,8 @@ class SparseMoE(nn.Module):
         experts already on the device, loading nothing (`_forward_resident`)."""
         if resident_only:
             return self._forward_resident(x)
-        weights, ids = self.route(x)
-        self.store.on_route(self.layer_idx, ids, weights)
-        flat_ids = ids.flatten()  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)  # [T*k], grouped by expert
-        token_of = order // self.top_k  # [T*k] token row of each sorted pair
-        pair_weight = weights.flatten()[order]  # [T*k]
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        active = [e for e, c in enumerate(counts) if c]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        start = 0
-        wave = self.store.max_experts_per_call()
-        for w0 in range(0, len(active), wave):  # more experts than slots: run in waves
-            chunk = active[w0 : w0 + wave]
-            experts = self.store.ensure(self.layer_idx, chunk)
-            if w0 == 0 and self.lookahead is not None and self.store.lookahead:
-                self._hint_next_layer(x)
-            for e, w in zip(chunk, experts):
-                end = start + counts[e]
-                rows = token_of[start:end]
-                gate, up = linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
-                y = linear(F.silu(gate) * up, w.down)  # [n, H]
-                out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
-                start = end
-        return self._shared(x, out.to(x.dtype))
+        weights, ids = self.route(x)  # [T, k] each
+        return self._shared(x, self.experts.forward(x, weights, ids).to(x.dtype))
 
     def _forward_resident(self, x: torch.Tensor) -> torch.Tensor:
         """The draft pass of self-speculation with resident experts (DraftExpert, arXiv
@@ -131,13 +114,6 @@ class SparseMoE(nn.Module):
             if w is None:
                 continue
             rows, which = (ids == e).nonzero(as_tuple=True)  # [n] token rows, their top-k index
-            gate, up = linear(x[rows], w.gate_up).chunk(2, dim=-1)  # [n, I] each
-            y = linear(F.silu(gate) * up, w.down)  # [n, H]
+            y = expert_swiglu(x[rows], w, self.experts.row_tile)  # [n, H]
             out.index_add_(0, rows, y.float() * weights[rows, which, None])
         return self._shared(x, out.to(x.dtype))
-
-    def _hint_next_layer(self, x: torch.Tensor) -> None:
-        """Gate lookahead: the next MoE layer's router applied to this layer's input."""
-        next_layer, next_router = self.lookahead
-        predicted = next_router.select(next_router.choice_scores(next_router.scores(x)))  # [T, k]
-        self.store.prefetch(next_layer, torch.unique(predicted).tolist())

@@ -12,7 +12,6 @@ transformers file it names, op for op (so that ties break the same way):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import RouterConfig
@@ -32,6 +31,8 @@ class TopKRouter(nn.Module):
         ValueError: an unknown scoring function or top-k method, or a group count that does
             not divide the experts.
     """
+
+    row_tile = 0  # > 0: batch-invariant mode (`linear`'s row_tile), set per model
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  config: RouterConfig = RouterConfig()) -> None:
@@ -53,8 +54,8 @@ class TopKRouter(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] float32."""
         if self.config.float32:
-            return F.linear(x.float(), self.weight.float())
-        return linear(x, self.weight).float()
+            return linear(x.float(), self.weight.float(), row_tile=self.row_tile)
+        return linear(x, self.weight, row_tile=self.row_tile).float()
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> expert scores [T, E] float32 (softmax or sigmoid of the logits)."""

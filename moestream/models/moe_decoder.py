@@ -26,6 +26,7 @@ from moestream.layers.mlp import GatedMLP
 from moestream.layers.moe import SparseMoE
 from moestream.layers.norm import RMSNorm
 from moestream.layers.rotary import RotaryEmbedding
+from moestream.layers.router import TopKRouter
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +75,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(cls.make_layer(cfg, i, rotary, backend, store) for i in range(cfg.num_layers))
         moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
         for moe, nxt in zip(moes, moes[1:]):
-            moe.lookahead = (nxt.layer_idx, nxt.gate)
+            moe.set_lookahead(nxt.layer_idx, nxt.gate)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
 
@@ -185,3 +186,21 @@ class MoEForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def set_row_tile(self, row_tile: int) -> None:
+        """Batch-invariant mode (`row_tile` > 0, `linear`'s row tiles) or the default (0), for
+        every projection, router and expert executor of the model.
+
+        Raises:
+            ValueError: `row_tile` > 0 on a model whose layers are not all covered: MLA
+                (its absorbed products) or linear attention (its recurrent kernels).
+        """
+        if row_tile and (self.config.mla is not None or self.config.is_hybrid):
+            raise ValueError(f"batch_invariant is not supported for {self.display_name or self.config.model_type} "
+                             "(multi-head latent attention and linear-attention layers are not covered); "
+                             "turn batch_invariant off")
+        for module in self.modules():
+            if isinstance(module, (Linear, TopKRouter)):
+                module.row_tile = row_tile
+            elif isinstance(module, SparseMoE):
+                module.experts.row_tile = row_tile

@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache (and, on hybrid models, linear-attention state checkpoints) of a "
                         "prompt prefix seen before instead of recomputing it (default: on)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's output and logits do not depend on the other requests in its batch: "
+                        "fixed-size matmul calls, decode attention per request; slower; full-attention models "
+                        "only (default: off)")
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4}\'; methods ngram, draft_experts, mtp; "adaptive": false keeps k '
@@ -180,7 +184,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 max_state_checkpoints=args.max_state_checkpoints,
                 state_checkpoint_host_bytes=args.state_checkpoint_host_bytes,
                 speculative_config=args.speculative_config, limit_mm_per_prompt=args.limit_mm_per_prompt,
-                max_image_pixels=args.max_image_pixels)
+                max_image_pixels=args.max_image_pixels, batch_invariant=args.batch_invariant)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,164 @@
+"""Expert executors: what computes a MoE layer's routed experts once the router has chosen.
+
+`SparseMoE` routes; an executor computes. In the style of mini-sglang's MoE backend
+(`minisgl/layers/moe.py` handing off to `minisgl/moe/`), the layer does not know whether its
+experts are resident or paged:
+
+- `ResidentExpertExecutor`: every expert of the layer stacked on the device ([E, 2I, H] and
+  [E, H, I]). The (token, k) pairs are sorted by expert once, both projections run as one
+  grouped matmul each over all active experts (`torch._grouped_mm`, offsets computed on the
+  device), and the outputs are combined with one weighted `index_add_`. No Python work per
+  expert and no host sync on this path (the routing recorder, when on, is the exception).
+- `PagedExpertExecutor`: the expert store's contract (`ExpertStore`): the router's choice
+  goes to `on_route`, the active experts are made resident with `ensure` in waves of at most
+  the store's slots, and the next layer's experts are predicted for prefetch (gate
+  lookahead) after the first wave is ensured.
+
+Both compute an expert the same way, so that the output is bit-identical whatever the
+budget (DESIGN.md's invariant): on CPU `torch._grouped_mm` runs each group as the same
+`mm` as `F.linear` on that group's rows (tests/test_expert_executor.py holds this), and
+where that is not so (bf16 on CPUs without native bf16, where `linear` upcasts calls of 8+
+rows; CUDA, where the grouped kernel is its own; the batch-invariant mode) the resident
+executor runs the per-expert loop the paged one runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from moestream.experts.interface import ExpertStore, ExpertWeights
+from moestream.experts.resident import ResidentExpertStore
+from moestream.layers.linear import linear, upcasts
+
+
+class ExpertExecutor(Protocol):
+    """forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] int64) -> [T, H] float32:
+    sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
+
+    `row_tile` > 0: batch-invariant mode (see `linear`); set per model."""
+
+    row_tile: int
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+def expert_swiglu(x: torch.Tensor, w: ExpertWeights, row_tile: int = 0) -> torch.Tensor:
+    """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype."""
+    gate, up = linear(x, w.gate_up, row_tile=row_tile).chunk(2, dim=-1)  # [n, I] each
+    return linear(F.silu(gate) * up, w.down, row_tile=row_tile)  # [n, H]
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, k) pairs by expert: topk_ids [T, k] int64 ->
+    (order [T*k]: pair indices sorted by expert id, stable (a token's pairs keep their k
+    order); token_of [T*k]: the token row of each sorted pair; counts [E]: pairs per expert)."""
+    flat_ids = topk_ids.flatten()  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)  # [T*k]
+    return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)
+
+
+def grouped_mm_matches_linear(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `torch._grouped_mm` computes each group exactly as `linear` computes that
+    expert's rows: on CPU, where it runs one `mm` per group, in float32, and in bf16/fp16
+    where the CPU has native bf16 matmul (elsewhere `linear` upcasts calls of 8+ rows)."""
+    if device.type != "cpu" or not hasattr(torch, "_grouped_mm"):
+        return False
+    probe = torch.empty(0, device=device)
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not upcasts(probe, probe.to(dtype)))
+
+
+class ResidentExpertExecutor:
+    """All experts of one layer on the device: gate_up [E, 2I, H], down [E, H, I] (the
+    `ResidentExpertStore`'s stacked tensors, read at each call: the loader fills them after
+    the model is built). Grouped matmuls where they equal `linear` per expert
+    (`grouped_mm_matches_linear`), else the per-expert loop of the paged executor.
+
+    Raises:
+        KeyError: from forward, when the store has no experts for this layer.
+    """
+
+    row_tile = 0
+
+    def __init__(self, store: ResidentExpertStore, layer_idx: int, num_experts: int) -> None:
+        self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        self.store.on_route(self.layer_idx, topk_ids, topk_weights)
+        gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
+        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+        pair_weight = topk_weights.flatten()[order]  # [T*k]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        if self.row_tile or not grouped_mm_matches_linear(x.dtype, x.device):
+            counts_list = counts.tolist()
+            active = [e for e, c in enumerate(counts_list) if c]
+            return _loop(x, token_of, pair_weight, counts_list, active,
+                         lambda e: ExpertWeights(gate_up[e], down[e]), self.row_tile, out)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
+        rows = x[token_of]  # [T*k, H] grouped by expert
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [T*k, I] each
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [T*k, H]
+        return out.index_add_(0, token_of, y.float() * pair_weight[:, None])
+
+
+class PagedExpertExecutor:
+    """Experts paged by an `ExpertStore`: `on_route`, then `ensure` in waves of at most
+    `max_experts_per_call()` experts, each expert's rows through `expert_swiglu`.
+    `lookahead` = (next MoE layer index, its router), set by the model: with the store's
+    `lookahead` on, the next layer's experts are predicted from this layer's input and
+    prefetched once the first wave is resident."""
+
+    row_tile = 0
+
+    def __init__(self, store: ExpertStore, layer_idx: int, num_experts: int) -> None:
+        self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
+        self.lookahead: tuple[int, torch.nn.Module] | None = None
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        self.store.on_route(self.layer_idx, topk_ids, topk_weights)
+        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+        pair_weight = topk_weights.flatten()[order]  # [T*k]
+        counts_list = counts.tolist()
+        active = [e for e, c in enumerate(counts_list) if c]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        wave = self.store.max_experts_per_call()
+        for w0 in range(0, len(active), wave):  # more experts than slots: run in waves
+            chunk = active[w0 : w0 + wave]
+            weights = dict(zip(chunk, self.store.ensure(self.layer_idx, chunk)))
+            if w0 == 0 and self.lookahead is not None and self.store.lookahead:
+                self._prefetch_next_layer(x)
+            _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out)
+        return out
+
+    def _prefetch_next_layer(self, x: torch.Tensor) -> None:
+        """Gate lookahead: the next MoE layer's router applied to this layer's input."""
+        next_layer, router = self.lookahead
+        predicted = router.select(router.choice_scores(router.scores(x)))  # [T, k]
+        self.store.prefetch(next_layer, torch.unique(predicted).tolist())
+
+
+def _loop(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, counts: list[int],
+          experts: list[int], weights_of: Callable[[int], ExpertWeights], row_tile: int,
+          out: torch.Tensor) -> torch.Tensor:
+    """The per-expert loop: each expert of `experts` (ascending ids), its rows of the sorted
+    pairs (token_of [T*k], pair_weight [T*k]; counts: pairs per expert) through
+    `expert_swiglu`, added with their weights into out [T, H] float32, which it returns.
+    `weights_of(e)` gives expert e's weights."""
+    starts = [0, *itertools.accumulate(counts)]  # [E + 1]
+    for e in experts:
+        start, end = starts[e], starts[e + 1]
+        rows = token_of[start:end]  # [n]
+        y = expert_swiglu(x[rows], weights_of(e), row_tile)  # [n, H]
+        out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
+    return out
+
+
+def make_expert_executor(store: ExpertStore, layer_idx: int, num_experts: int) -> ExpertExecutor:
+    """The executor for a layer's experts: resident when the store holds them all."""
+    if isinstance(store, ResidentExpertStore):
+        return ResidentExpertExecutor(store, layer_idx, num_experts)
+    return PagedExpertExecutor(store, layer_idx, num_experts)

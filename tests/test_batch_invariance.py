@@ -1,0 +1,77 @@
+"""Batch-invariant mode (`batch_invariant=True`): a prompt's greedy tokens and logprobs are
+identical whether it runs alone or in batches of 4 and 16 with other prompts, in bf16 and
+float32, resident or paged. Without the mode the same prompts differ on the CPUs measured
+(BLAS kernels choose their blocking by the number of rows in a call)."""
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.layers.linear import batch_invariant_linear, linear
+from moestream.server.cli import build_parser, engine_kwargs
+from tiny_checkpoint import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Wide enough (hidden 256, 16 experts) that matmul blocking changes with the row count."""
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("wide")), "qwen3_moe", hidden_size=256, head_dim=64,
+                                intermediate_size=512, moe_intermediate_size=128, num_experts=16,
+                                num_experts_per_tok=4, num_hidden_layers=2, mlp_only_layers=[])
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 30000, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (16,), generator=g)]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
+    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_alone_equals_batches_of_4_and_16(wide_dir: str, dtype: str) -> None:
+    prompts = _prompts()
+    # Prefix caching off: the prompts run again after their first run, and a hit computes a
+    # prompt's uncached tail as its own chunk, whose attention sums in another order.
+    llm = LLM(wide_dir, dtype=dtype, batch_invariant=True, max_num_seqs=16, enable_prefix_caching=False)
+    alone = [_run(llm, [p])[0] for p in prompts]
+    by4 = [r for i in range(0, 16, 4) for r in _run(llm, prompts[i : i + 4])]
+    by16 = _run(llm, prompts)
+    assert [a[0] for a in alone] == [b[0] for b in by4] == [b[0] for b in by16]  # greedy tokens
+    assert [a[1] for a in alone] == [b[1] for b in by4] == [b[1] for b in by16]  # logprobs, exactly
+    paged = LLM(wide_dir, dtype=dtype, batch_invariant=True, max_num_seqs=16, expert_budget=0.5)  # fresh cache
+    assert _run(paged, prompts) == alone  # and whatever the expert budget
+    assert paged.expert_stats()["misses"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_linear_rows_independent_of_call(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(384, 256, generator=g).to(dtype)
+    b = torch.randn(384, generator=g).to(dtype)
+    x = torch.randn(40, 256, generator=g).to(dtype)
+    alone = torch.cat([batch_invariant_linear(x[i : i + 1], w, b, 8) for i in range(40)])  # [40, 384]
+    for m in (3, 8, 17, 40):
+        assert torch.equal(batch_invariant_linear(x[:m], w, b, 8), alone[:m])
+    assert torch.equal(linear(x[None, :5], w, b, row_tile=8)[0], alone[:5])  # leading dims kept
+    torch.testing.assert_close(alone.float(), torch.nn.functional.linear(x.float(), w.float(), b.float()),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=0.3 if dtype == torch.bfloat16 else 1e-4)
+    with pytest.raises(ValueError, match="row_tile"):
+        batch_invariant_linear(x, w, b, 0)
+
+
+def test_refused_where_not_covered(qwen3_next_dir: str) -> None:
+    with pytest.raises(ValueError, match="batch_invariant is not supported for Qwen3-Next"):
+        LLM(qwen3_next_dir, batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        LLM(qwen3_next_dir, batch_invariant="yes")
+
+
+def test_cli_flag() -> None:
+    args = build_parser().parse_args(["generate", "--batch-invariant", "--model", "m", "x"])
+    assert engine_kwargs(args)["batch_invariant"] is True
+    assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "x"]))["batch_invariant"] is False
