@@ -157,12 +157,13 @@ def run_stepped(driver: SteppedDriver, wl: Workload) -> dict:
 class MoestreamDriver(SteppedDriver):
     """moestream's LLMEngine (from this checkout), greedy with ignore_eos."""
 
-    def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int) -> None:
+    def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int,
+                 batch_invariant: bool = False) -> None:
         sys.path.insert(0, ROOT)
         from moestream import LLM
 
         self.llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=batched_tokens)
+                       max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant)
         self.engine = self.llm.llm_engine
 
     def add(self, req: Req) -> None:
@@ -268,7 +269,8 @@ def worker(spec: dict) -> dict:
         torch.set_num_threads(threads)
         info["torch"] = torch.__version__
     if engine == "moestream":
-        driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"])
+        driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"],
+                                 spec.get("batch_invariant", False))
         run = lambda wl: run_stepped(driver, wl)  # noqa: E731
     elif engine == "vllm":
         import vllm
@@ -413,7 +415,8 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
     if meta.get("preliminary"):
         lines.append(f"**Preliminary**: the machine was busy during the run (1-min load before runs up to "
                      f"{meta['max_load_before']:.1f} on {meta['cpus']} cores); ratios are indicative only.\n")
-    lines.append(f"Checkpoint `{meta['checkpoint_name']}`, {meta['dtype']}, threads per engine: {meta['threads']}, prompt "
+    lines.append(f"Checkpoint `{meta['checkpoint_name']}`, {meta['dtype']}"
+                 + (", moestream batch-invariant" if meta.get("batch_invariant") else "") + f", threads per engine: {meta['threads']}, prompt "
                  f"{meta['prompt_len']} + {meta['max_tokens']} output tokens (mixed: {meta['mixed_requests']} requests, "
                  f"at most {meta['mixed_concurrency']} in flight), median of {meta['rounds_done']} interleaved round(s)"
                  + ("" if meta.get("complete", True) else " (run incomplete: written after each engine run)") + ".\n")
@@ -501,6 +504,7 @@ def decode_weight_bytes(ckpt: str, dtype: str) -> int | None:
     """Weight bytes one decode step of one sequence reads: per layer the attention projections,
     the router and top-k routed experts (or the dense MLP), plus any shared expert; then the
     lm_head. None for MLA and linear-attention models (not modelled here)."""
+    sys.path.insert(0, ROOT)
     from moestream.config import ModelConfig
 
     c = ModelConfig.from_hf(ckpt)
@@ -537,6 +541,7 @@ def write_results(runs: dict[str, list[dict]], args: argparse.Namespace, ckpt: s
             "threads": args.threads, "cpus": os.cpu_count(), "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "concurrency": args.concurrency, "mixed_requests": args.mixed_requests,
             "mixed_concurrency": args.mixed_concurrency, "repeats": args.repeats,
+            "batch_invariant": args.batch_invariant,
             "rounds_done": max(len(rs) for rs in runs.values()), "complete": done,
             "max_num_batched_tokens": args.max_num_batched_tokens, "max_load_before": max(loads, default=0.0),
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "roofline": roofline}
@@ -573,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-eager", action="store_true", help="enforce_eager=True for vllm (no torch.compile)")
     ap.add_argument("--peers-dir", default=PEERS, help="where the peers' venvs are (bench/peers)")
     ap.add_argument("--preliminary", action="store_true", help="mark the results preliminary whatever the load")
+    ap.add_argument("--batch-invariant", action="store_true", help="moestream in its batch-invariant mode")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "throughput"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -593,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.mixed_requests, args.mixed_concurrency)
     base = {"checkpoint": ckpt, "dtype": args.dtype, "threads": args.threads,
             "max_num_batched_tokens": args.max_num_batched_tokens, "vllm_kv_gib": args.vllm_kv_gib,
-            "vllm_eager": args.vllm_eager}
+            "vllm_eager": args.vllm_eager, "batch_invariant": args.batch_invariant}
     specs = {}
     for e in engines:
         chosen = [w for w in wls if e != "llama_cpp" or (w.concurrency <= args.llama_max_concurrency and w.name != "mixed")]

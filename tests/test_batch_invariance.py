@@ -26,7 +26,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[dict[int, float]]]]:
-    sp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
             for o in outs]
@@ -43,9 +43,10 @@ def test_alone_equals_batches_of_4_and_16(wide_dir: str, dtype: str) -> None:
     by16 = _run(llm, prompts)
     assert [a[0] for a in alone] == [b[0] for b in by4] == [b[0] for b in by16]  # greedy tokens
     assert [a[1] for a in alone] == [b[1] for b in by4] == [b[1] for b in by16]  # logprobs, exactly
-    paged = LLM(wide_dir, dtype=dtype, batch_invariant=True, max_num_seqs=16, expert_budget=0.5)  # fresh cache
-    assert _run(paged, prompts) == alone  # and whatever the expert budget
-    assert paged.expert_stats()["misses"] > 0
+    if dtype == "bfloat16":  # and whatever the expert budget (a fresh prefix cache too)
+        paged = LLM(wide_dir, dtype=dtype, batch_invariant=True, max_num_seqs=16, expert_budget=0.5)
+        assert _run(paged, prompts) == alone
+        assert paged.expert_stats()["misses"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -123,7 +123,8 @@ def test_lazy_package_exports() -> None:
 def test_resolve_threads() -> None:
     from moestream.server.cli import resolve_threads
 
-    assert resolve_threads("auto", "cpu") == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert resolve_threads("auto", "cpu") == len(os.sched_getaffinity(0))  # generate, offline LLM
+    assert resolve_threads("auto", "cpu", reserve=1) == max(1, len(os.sched_getaffinity(0)) - 1)  # serve
     assert resolve_threads("auto", "cuda:0") is None
     assert resolve_threads(3, "cpu") == 3
     with pytest.raises(ValueError, match="device must be a torch device"):
@@ -144,7 +145,7 @@ def test_generate_sets_the_torch_thread_count(qwen3_moe_dir: str, capsys: pytest
         torch.set_num_threads(2)
         assert main(base + ["--threads", "1"]) == 0
         assert torch.get_num_threads() == 1
-        torch.set_num_threads(auto + 1)
+        torch.set_num_threads(1)
         assert main(base) == 0
         assert torch.get_num_threads() == auto
     finally:
@@ -354,3 +355,27 @@ def test_max_logprobs_can_be_raised(qwen3_moe_dir: str, capsys: pytest.CaptureFi
     lines = [line for line in out.splitlines() if " | top: " in line]
     assert len(lines) == 2
     assert all(len(re.findall(r" -?\d+\.\d{3}(?:,|$)", line.split(" | top: ")[1])) == 25 for line in lines)
+
+
+def test_offline_llm_threads(qwen3_moe_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """LLM(threads=...) sets torch's threads ('auto': every available core) and logs it; a bad
+    value is refused before the model loads."""
+    import logging
+
+    import torch
+
+    from moestream import LLM
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with caplog.at_level(logging.INFO, logger="moestream.llm"):
+            LLM(qwen3_moe_dir, max_model_len=64)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        assert f"torch threads: {len(os.sched_getaffinity(0))} (auto" in caplog.text
+        LLM(qwen3_moe_dir, max_model_len=64, threads=1)
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match="threads must be a positive integer or 'auto'"):
+            LLM(qwen3_moe_dir, threads=0)
+    finally:
+        torch.set_num_threads(before)

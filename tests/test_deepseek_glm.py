@@ -72,8 +72,9 @@ def test_parity_chunked_prefill_under_preemption(name: str, checkpoints, referen
     d = _dir(checkpoints, tmp_path_factory, name)
     references[name] = ref = references.get(name) or HFReference(d)
     prompts = parity_prompts()
-    llm = LLM(d, dtype="float32", max_model_len=80, max_num_batched_tokens=10)
-    block = llm.kv_cache_stats()["bytes_per_token"] * 16
+    cfg = ModelConfig.from_hf(d)
+    heads, k_dim, v_dim = cfg.kv_cache_dims
+    block = len(cfg.attention_layers) * heads * (k_dim + v_dim) * 4 * 16  # float32 bytes of one 16-token block
     llm = LLM(d, dtype="float32", max_model_len=80, max_num_batched_tokens=10, kv_cache_memory_bytes=12 * block)
     engine = llm.llm_engine
     assert engine.kv_cache.num_blocks == 12

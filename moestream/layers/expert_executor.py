@@ -9,6 +9,7 @@ experts are resident or paged:
   grouped matmul each over all active experts (`torch._grouped_mm`, offsets computed on the
   device), and the outputs are combined with one weighted `index_add_`. No Python work per
   expert and no host sync on this path (the routing recorder, when on, is the exception).
+  With fewer (token, k) pairs than half the experts it loops over the active ones instead.
 - `PagedExpertExecutor`: the expert store's contract (`ExpertStore`): the router's choice
   goes to `on_route`, the active experts are made resident with `ensure` in waves of at most
   the store's slots, and the next layer's experts are predicted for prefetch (gate
@@ -93,7 +94,11 @@ class ResidentExpertExecutor:
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        if self.row_tile or not grouped_mm_matches_linear(x.dtype, x.device):
+        # Fewer pairs than half the experts (decode of one or two sequences): torch's CPU
+        # grouped matmul walks every group, empty ones too, so the loop over the few active
+        # experts is faster there (both compute each expert alike).
+        if (self.row_tile or topk_ids.numel() * 2 < self.num_experts
+                or not grouped_mm_matches_linear(x.dtype, x.device)):
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             return _loop(x, token_of, pair_weight, counts_list, active,

@@ -130,22 +130,17 @@ def parse_threads(text: str) -> int | str:
     return n
 
 
-def resolve_threads(value: int | str, device: str) -> int | None:
-    """The torch intra-op thread count for a `--threads` value: N as given; 'auto' is, on
-    CPU, the cores this process may run on less one (at least 1), and None (torch's
-    default) on an accelerator (serving.default_engine_threads).
+def resolve_threads(value: int | str, device: str, reserve: int = 0) -> int | None:
+    """The torch intra-op thread count for a `--threads` value (`moestream.threads`): N as
+    given; 'auto' is, on CPU, the cores this process may run on less `reserve` (serve: one
+    for the HTTP event loop), at least 1, and None (torch's default) on an accelerator.
 
     Raises:
         ValueError: `device` is not a torch device.
     """
-    if value != "auto":
-        return int(value)
-    from moestream.server.serving import default_engine_threads
+    from moestream.threads import resolve_threads as resolve
 
-    try:
-        return default_engine_threads(device)
-    except RuntimeError:  # torch.device("gpu")
-        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r}") from None
+    return resolve(value, device, reserve)
 
 
 def _json_object(text: str) -> dict:
@@ -399,7 +394,7 @@ def _serve(args: argparse.Namespace) -> int:
         from moestream.server.serving import ServerConfig
 
         names = tuple(args.served_model_name or [args.model if args.model is not None else DEMO_MODEL_NAME])
-        threads = resolve_threads(args.threads, args.device)
+        threads = resolve_threads(args.threads, args.device, reserve=1)
         config = ServerConfig(served_model_names=names, api_key=args.api_key,
                               max_request_body_bytes=args.max_request_body_bytes,
                               max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,

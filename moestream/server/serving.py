@@ -11,11 +11,11 @@ import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import torch
 from pydantic import BaseModel
 
 from moestream.engine.llm_engine import PromptType
 from moestream.outputs import RequestOutput
+from moestream.threads import resolve_threads
 from moestream.sampling_params import Logprob, SamplingParams
 from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from moestream.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
@@ -72,10 +72,7 @@ def default_engine_threads(device: str) -> int | None:
     run on less one for the HTTP event loop (at least 1), as vLLM's CPU backend reserves a
     core for its API server; None (torch's default) on an accelerator. On 2 shared cores,
     2 engine threads served 28 output tok/s and 1 served 46 (docs/performance.md)."""
-    if torch.device(device).type != "cpu":
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return resolve_threads("auto", device, reserve=1)
 
 
 class APIError(Exception):
