@@ -25,6 +25,7 @@ executor runs the per-expert loop the paged one runs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Protocol
@@ -63,6 +64,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)
 
 
+@functools.cache
 def grouped_mm_matches_linear(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `torch._grouped_mm` computes each group exactly as `linear` computes that
     expert's rows: on CPU, where it runs one `mm` per group, in float32, and in bf16/fp16
