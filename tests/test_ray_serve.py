@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -58,12 +59,20 @@ def cluster() -> Iterator[str]:
     cmd = [sys.executable, "-m", "moestream.server.cli", "serve", "--ray", "--num-replicas", "2", "--replica-cpus",
            "0.5", "--port", str(port), "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
            str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # stderr to a file, never a pipe: Ray's logs (one line per request) fill a 64 KiB pipe
+    # nobody reads until teardown, and the server then blocks in a write and never exits.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+
+    def tail() -> str:
+        log.seek(0)
+        return log.read()[-3000:]
+
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, f"serve --ray exited: {proc.stderr.read()[-3000:]}"
+            assert proc.poll() is None, f"serve --ray exited: {tail()}"
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
                     break
@@ -82,7 +91,7 @@ def cluster() -> Iterator[str]:
         deadline = time.monotonic() + 30
         while ours & _ray_processes() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert rc == 0, proc.stderr.read()[-3000:]
+        assert rc == 0, tail()
         assert ours and not ours & _ray_processes(), f"Ray processes left: {ours & _ray_processes()}"
 
 
