@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
+from moestream.demo import resolve_model
 from moestream.experts.policy import POLICY_NAMES
 from moestream.validation import is_int, is_number
 
@@ -628,7 +629,9 @@ class EngineConfig:
             default. Full-attention models only (Qwen3-MoE, Mixtral, GLM-4.5); refused for
             MLA and hybrid linear-attention models. A prompt's prefill chunks must be the
             same to compare: a prefix-cache hit computes the uncached tail as its own chunk,
-            whose attention sums in another order (turn prefix caching off for that).
+            whose attention sums in another order (turn prefix caching off for that), and
+            chunked prefill splits a long prompt by the step's other work. With speculative
+            decoding it turns adaptive k off (the draft length would follow measured timings).
     """
 
     model: str
@@ -670,6 +673,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a checkpoint directory path, got {self.model!r}")
+        object.__setattr__(self, "model", resolve_model(self.model))  # "demo", "demo-hybrid": the built-in ones
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -704,6 +708,10 @@ class EngineConfig:
                              f"got {self.state_checkpoint_host_bytes!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+            if self.batch_invariant is True and self.speculative_config.adaptive:
+                # Adaptive k follows measured step times, which differ run to run: a fixed k
+                # keeps the drafted (so the verified) tokens a function of the request alone.
+                object.__setattr__(self, "speculative_config", replace(self.speculative_config, adaptive=False))
         if self.limit_mm_per_prompt is not None:
             lim = self.limit_mm_per_prompt
             if not isinstance(lim, dict) or any(k not in ("image", "video") or not is_int(v) or v < 0

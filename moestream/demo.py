@@ -1,23 +1,53 @@
-"""The built-in demo model: a ~10M-parameter Qwen3-MoE (6 layers, 16 experts, top-2)
-trained on the Python standard library by `scripts/train_demo_model.py`, shipped as
-package data so that `moestream generate` runs offline with no model path."""
+"""The built-in demo models, shipped as package data so that moestream runs offline with no
+model path. Both are trained on the Python standard library by `scripts/train_demo_model.py`:
+
+- `demo` (`moestream/demo_model/`, the default): a ~10M-parameter Qwen3-MoE (6 layers,
+  16 experts, top-2);
+- `demo-hybrid` (`moestream/demo_hybrid_model/`, `--arch qwen3_5_moe`): a ~11M-parameter
+  Qwen3.5-MoE (Gated DeltaNet and gated attention 3:1, 16 experts top-2 and a shared
+  expert) with one MTP layer for speculative decoding.
+
+A model argument that names one of them (and is not an existing directory) means it.
+"""
 
 from __future__ import annotations
 
 import os
 from importlib import resources
 
+BUILTIN_MODELS = {"demo": "demo_model", "demo-hybrid": "demo_hybrid_model"}
 
-def demo_model_path() -> str:
-    """Directory of the packaged demo checkpoint.
+
+def builtin_model_path(name: str) -> str:
+    """Directory of the packaged checkpoint `name` ("demo" or "demo-hybrid").
 
     Raises:
-        ValueError: the package was installed without its demo model.
+        ValueError: `name` is not a built-in model, or the package was installed without it.
     """
-    path = str(resources.files("moestream") / "demo_model")
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; built-in: {', '.join(BUILTIN_MODELS)}")
+    path = str(resources.files("moestream") / BUILTIN_MODELS[name])
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
-            f"the built-in demo model is missing from {path}; reinstall moestream, or give a checkpoint directory "
-            "as the model"
+            f"the built-in model {name!r} is missing from {path}; reinstall moestream, or give a checkpoint "
+            "directory as the model"
         )
     return path
+
+
+def demo_model_path() -> str:
+    """Directory of the default demo checkpoint (`builtin_model_path("demo")`)."""
+    return builtin_model_path("demo")
+
+
+def demo_hybrid_model_path() -> str:
+    """Directory of the hybrid demo checkpoint (`builtin_model_path("demo-hybrid")`)."""
+    return builtin_model_path("demo-hybrid")
+
+
+def resolve_model(model: str | os.PathLike) -> str | os.PathLike:
+    """`model` itself, or the built-in checkpoint's directory when `model` is a built-in name
+    ("demo", "demo-hybrid") and no directory of that name exists here."""
+    if isinstance(model, str) and model in BUILTIN_MODELS and not os.path.isdir(model):
+        return builtin_model_path(model)
+    return model

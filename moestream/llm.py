@@ -67,42 +67,47 @@ class LLM:
         threads: int | str | None = "auto",
     ) -> None:
         n = resolve_threads(threads, device)
+        before = torch.get_num_threads()
         if n is not None:
             torch.set_num_threads(n)
+        try:
+            self.llm_engine = LLMEngine(
+                EngineConfig(
+                    model=model,
+                    dtype=dtype,
+                    device=device,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    block_size=block_size,
+                    kv_cache_memory_bytes=kv_cache_memory_bytes,
+                    seed=seed,
+                    expert_budget=expert_budget,
+                    expert_host_cache_bytes=expert_host_cache_bytes,
+                    expert_policy=expert_policy,
+                    expert_prefetch=expert_prefetch,
+                    expert_pin_profile=expert_pin_profile,
+                    enable_elastic_memory=enable_elastic_memory,
+                    record_routing=record_routing,
+                    max_resident_states=max_resident_states,
+                    mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
+                    generation_config=generation_config,
+                    max_logprobs=max_logprobs,
+                    enable_prefix_caching=enable_prefix_caching,
+                    state_checkpoint_interval=state_checkpoint_interval,
+                    max_state_checkpoints=max_state_checkpoints,
+                    state_checkpoint_host_bytes=state_checkpoint_host_bytes,
+                    speculative_config=speculative_config,
+                    limit_mm_per_prompt=limit_mm_per_prompt,
+                    max_image_pixels=max_image_pixels,
+                    batch_invariant=batch_invariant,
+                )
+            )
+        except BaseException:
+            torch.set_num_threads(before)  # a failed LLM() leaves the process as it found it
+            raise
         logger.info("torch threads: %d%s", torch.get_num_threads(),
                     " (auto: every core this process may run on)" if threads == "auto" and n is not None else "")
-        self.llm_engine = LLMEngine(
-            EngineConfig(
-                model=model,
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                seed=seed,
-                expert_budget=expert_budget,
-                expert_host_cache_bytes=expert_host_cache_bytes,
-                expert_policy=expert_policy,
-                expert_prefetch=expert_prefetch,
-                expert_pin_profile=expert_pin_profile,
-                enable_elastic_memory=enable_elastic_memory,
-                record_routing=record_routing,
-                max_resident_states=max_resident_states,
-                mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
-                generation_config=generation_config,
-                max_logprobs=max_logprobs,
-                enable_prefix_caching=enable_prefix_caching,
-                state_checkpoint_interval=state_checkpoint_interval,
-                max_state_checkpoints=max_state_checkpoints,
-                state_checkpoint_host_bytes=state_checkpoint_host_bytes,
-                speculative_config=speculative_config,
-                limit_mm_per_prompt=limit_mm_per_prompt,
-                max_image_pixels=max_image_pixels,
-                batch_invariant=batch_invariant,
-            )
-        )
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding counters: num_drafts, num_draft_tokens, num_accepted_tokens,

@@ -15,6 +15,10 @@ import os
 
 import torch
 
+MAX_THREADS = 1024
+"""Upper bound of an explicit thread count: torch's OpenMP pool crashes (SIGSEGV) when asked
+for ~10**5 threads and overflows at 2**31, and no CPU this engine runs on has more cores."""
+
 
 def available_cores() -> int:
     """Cores this process may run on (its affinity mask where the OS has one)."""
@@ -26,14 +30,17 @@ def resolve_threads(value: int | str | None, device: str, reserve: int = 0) -> i
     'auto' is, on CPU, `available_cores() - reserve` (at least 1), and None on an accelerator.
 
     Raises:
-        ValueError: `value` is not a positive int, 'auto' or None, or `device` is not a torch
-            device.
+        ValueError: `value` is not a positive int up to `MAX_THREADS`, 'auto' or None, or
+            `device` is not a torch device.
     """
     if value is None:
         return None
     if value != "auto":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"threads must be a positive integer or 'auto', got {value!r}")
+        if value > MAX_THREADS:
+            raise ValueError(f"threads={value} is more than {MAX_THREADS}; this process may run on "
+                             f"{available_cores()} core(s): give at most that, or 'auto'")
         return value
     try:
         kind = torch.device(device).type

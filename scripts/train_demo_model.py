@@ -1,4 +1,6 @@
-"""Train moestream's built-in demo model: a small Qwen3-MoE on the Python standard library.
+"""Train moestream's built-in demo models: a small Qwen3-MoE (default) or, with
+`--arch qwen3_5_moe`, a small hybrid Qwen3.5-MoE with an MTP layer (scripts/train_demo_hybrid.py),
+on the Python standard library.
 
 Everything it needs is on any machine with Python: the text is the standard library's own
 source and docstrings (`sysconfig.get_paths()["stdlib"]`), the tokenizer a byte-level BPE
@@ -8,6 +10,7 @@ for validation. Writes the checkpoint (bf16 safetensors, tokenizer, config,
 training_metrics.json) to moestream/demo_model/ and the loss curve to docs/demo_model_loss.png.
 
     python scripts/train_demo_model.py [--minutes 40] [--out moestream/demo_model]
+    python scripts/train_demo_model.py --arch qwen3_5_moe [--minutes 40]   # moestream/demo_hybrid_model
 """
 
 from __future__ import annotations
@@ -108,13 +111,20 @@ def routing_skew(out_dir: str, texts: list[str]) -> list[dict]:
              "tokens": int(c.sum() // 2)} for layer, c in sorted(loads.items())]
 
 
-def finalize(out_dir: str, val_texts: list[str]) -> None:
-    """Record the fixed-text loss bound and the routing skew in training_metrics.json."""
+def finalize(out_dir: str, val_texts: list[str], hybrid: bool = False) -> None:
+    """Record the fixed-text loss bound and the routing skew in training_metrics.json; for the
+    hybrid also the MTP draft acceptance through moestream and a routing trace."""
     path = os.path.join(out_dir, "training_metrics.json")
     with open(path) as f:
         metrics = json.load(f)
     metrics["fixed_text_loss"] = fixed_text_loss(out_dir)
     metrics["routing_skew"] = routing_skew(out_dir, val_texts[:40])
+    if hybrid:
+        from train_demo_hybrid import mtp_acceptance, record_trace
+
+        metrics["mtp_acceptance_k1"] = mtp_acceptance(out_dir)
+        print(f"MTP draft acceptance at k=1 through moestream: {metrics['mtp_acceptance_k1']:.3f}")
+        record_trace(out_dir, val_texts)
     with open(path, "w") as f:
         json.dump(metrics, f, indent=1)
     print(f"fixed-text loss {metrics['fixed_text_loss']:.4f}")
@@ -122,19 +132,51 @@ def finalize(out_dir: str, val_texts: list[str]) -> None:
         print(f"layer {r['layer']}: max/mean load {r['max_over_mean']:.2f}, min/mean {r['min_over_mean']:.2f}")
 
 
+def plot_history(history: list[dict], path: str, title: str) -> None:
+    """Training (LM) and held-out loss against step, to a PNG (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no loss plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train (LM loss)")
+    v = [h for h in history if "val_loss" in h]
+    ax.plot([h["step"] for h in v], [h["val_loss"] for h in v], "o-", label="held-out")
+    if any("val_mtp_loss" in h for h in v):
+        ax.plot([h["step"] for h in v], [h["val_mtp_loss"] for h in v], "s--", label="held-out MTP (token t+2)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=40.0, help="training time budget (minutes)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "moestream", "demo_model"))
-    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "demo_model_loss.png"))
+    ap.add_argument("--out", default=None, help="default: moestream/demo_model or moestream/demo_hybrid_model")
+    ap.add_argument("--plot", default=None, help="default: docs/demo_model_loss.png or docs/demo_hybrid_model_loss.png")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--arch", choices=("qwen3_moe", "qwen3_5_moe"), default="qwen3_moe",
+                    help="qwen3_moe: the default demo; qwen3_5_moe: the hybrid demo (Gated DeltaNet + gated "
+                         "attention 3:1, shared expert, one MTP layer), written to moestream/demo_hybrid_model/")
+    ap.add_argument("--bf16-autocast", action="store_true",
+                    help="hybrid: train the matmuls in bf16 (torch.autocast; fast on CPUs with AMX or AVX512-BF16), "
+                         "weights and optimizer in float32, evaluation in float32")
     ap.add_argument("--finalize-only", action="store_true",
                     help="skip training; record the fixed-text loss and routing skew of the checkpoint in --out")
     args = ap.parse_args()
+    hybrid = args.arch == "qwen3_5_moe"
+    name = "demo_hybrid_model" if hybrid else "demo_model"
+    args.out = args.out or os.path.join(ROOT, "moestream", name)
+    args.plot = args.plot or os.path.join(ROOT, "docs", f"{name}_loss.png")
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -146,8 +188,12 @@ def main() -> int:
     train_texts = [read(f) for f in files if not is_heldout(f, base)]
     val_texts = [read(f) for f in files if is_heldout(f, base)]
     if args.finalize_only:
-        finalize(args.out, val_texts)
+        finalize(args.out, val_texts, hybrid)
         return 0
+    if hybrid:
+        from train_demo_hybrid import train_hybrid
+
+        return train_hybrid(args, train_texts, val_texts)
     print(f"{len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB), {len(val_texts)} held out", flush=True)
     t0 = time.time()
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
@@ -219,23 +265,8 @@ def main() -> int:
                "minutes": args.minutes, "seed": args.seed, "history": history}
     with open(os.path.join(args.out, "training_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train (LM loss)")
-        v = [h for h in history if "val_loss" in h]
-        ax.plot([h["step"] for h in v], [h["val_loss"] for h in v], "o-", label="held-out")
-        ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="moestream demo model")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-    except ImportError:
-        print("matplotlib not installed: no loss plot")
-    finalize(args.out, val_texts)
+    plot_history(history, args.plot, "moestream demo model")
+    finalize(args.out, val_texts, hybrid)
     return 0
 
 

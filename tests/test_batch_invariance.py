@@ -3,10 +3,13 @@ identical whether it runs alone or in batches of 4 and 16 with other prompts, in
 float32, resident or paged. Without the mode the same prompts differ on the CPUs measured
 (BLAS kernels choose their blocking by the number of rows in a call)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from moestream import LLM, SamplingParams
+from moestream.layers.activation import sigmoid, silu
 from moestream.layers.linear import batch_invariant_linear, linear
 from moestream.server.cli import build_parser, engine_kwargs
 from tiny_checkpoint import make_tiny_checkpoint
@@ -49,6 +52,30 @@ def test_alone_equals_batches_of_4_and_16(wide_dir: str, dtype: str) -> None:
         assert paged.expert_stats()["misses"] > 0
 
 
+def test_float32_pointwise_tails(tmp_path: Path) -> None:
+    """Regression: in float32 the router's sigmoid over 8 experts and a dense MLP's silu over
+    100 columns ran partly in torch's scalar tail code, so a row's logprobs depended on the
+    batch (~1e-6). GLM-4.5 layout: sigmoid router, shared expert, dense first layer."""
+    d = make_tiny_checkpoint(str(tmp_path), "glm4_moe", intermediate_size=100, hidden_size=128)
+    prompts = _prompts()
+    llm = LLM(d, dtype="float32", batch_invariant=True, max_num_seqs=16, enable_prefix_caching=False)
+    alone = [_run(llm, [p])[0] for p in prompts]
+    assert _run(llm, prompts) == alone
+
+
+@pytest.mark.parametrize("shape", [(70, 100), (70, 8), (33, 768), (3, 40000), (9, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aligned_pointwise_rows_independent_of_call(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(shape, generator=g)).to(dtype)
+    for fn, ref in ((silu, torch.nn.functional.silu), (sigmoid, torch.sigmoid)):
+        alone = torch.cat([fn(x[i : i + 1], invariant=True) for i in range(shape[0])])
+        for m in (1, 2, 5, shape[0]):
+            assert torch.equal(fn(x[:m], invariant=True), alone[:m])
+        assert fn(x[:, None], invariant=True).shape == (shape[0], 1, shape[1])
+        torch.testing.assert_close(alone, ref(x), rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariant_linear_rows_independent_of_call(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(1)
@@ -76,3 +103,13 @@ def test_cli_flag() -> None:
     args = build_parser().parse_args(["generate", "--batch-invariant", "--model", "m", "x"])
     assert engine_kwargs(args)["batch_invariant"] is True
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m", "x"]))["batch_invariant"] is False
+
+
+def test_speculative_decoding_keeps_a_fixed_k() -> None:
+    """Adaptive k follows measured step times (run to run), so batch-invariant mode turns it off."""
+    from moestream.config import EngineConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    assert EngineConfig("m", speculative_config=spec).speculative_config.adaptive is True
+    fixed = EngineConfig("m", speculative_config=spec, batch_invariant=True).speculative_config
+    assert fixed.adaptive is False and fixed.num_speculative_tokens == 3 and fixed.method == "ngram"

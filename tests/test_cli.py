@@ -127,8 +127,15 @@ def test_resolve_threads() -> None:
     assert resolve_threads("auto", "cpu", reserve=1) == max(1, len(os.sched_getaffinity(0)) - 1)  # serve
     assert resolve_threads("auto", "cuda:0") is None
     assert resolve_threads(3, "cpu") == 3
+    assert resolve_threads(1024, "cpu") == 1024
     with pytest.raises(ValueError, match="device must be a torch device"):
         resolve_threads("auto", "gpu")
+    # Regression: 10**5 threads crashed torch's OpenMP pool (SIGSEGV), 2**31 overflowed.
+    for huge in (1025, 10**5, 2**31):
+        with pytest.raises(ValueError, match=f"threads={huge} is more than 1024"):
+            resolve_threads(huge, "cpu")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--threads", "100000", "x"])
     assert build_parser().parse_args(["generate", "x"]).threads == "auto"
     assert build_parser().parse_args(["generate", "--threads", "2", "x"]).threads == 2
 
@@ -164,6 +171,8 @@ def test_split_model_and_prompts(tmp_path) -> None:
     assert split_model_and_prompts(None, [d]) == (None, [d])  # a lone directory is a prompt
     assert split_model_and_prompts("Hi", ["Yo"]) == (None, ["Hi", "Yo"])  # not a directory: a prompt
     assert split_model_and_prompts(str(tmp_path / "missing"), ["Yo"]) == (None, [str(tmp_path / "missing"), "Yo"])
+    assert split_model_and_prompts("demo-hybrid", ["Yo"]) == ("demo-hybrid", ["Yo"])  # a built-in model's name
+    assert split_model_and_prompts(None, ["demo"]) == (None, ["demo"])  # alone, a prompt
 
 
 def test_generate_takes_the_model_as_first_positional(qwen3_moe_dir: str, tmp_path,
@@ -377,5 +386,10 @@ def test_offline_llm_threads(qwen3_moe_dir: str, caplog: pytest.LogCaptureFixtur
         assert torch.get_num_threads() == 1
         with pytest.raises(ValueError, match="threads must be a positive integer or 'auto'"):
             LLM(qwen3_moe_dir, threads=0)
+        # Regression: an LLM() that fails after setting the threads (here: a bad max_model_len)
+        # left the process at the new count.
+        with pytest.raises(ValueError, match="max_model_len"):
+            LLM(qwen3_moe_dir, max_model_len=-5, threads=2)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -39,6 +39,7 @@ from moestream.loader import (
     load_tokenizer,
 )
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.models.registry import get_model_class
 from moestream.multimodal.inputs import MultiModalInputs
 from moestream.multimodal.processor import MultiModalProcessor
 from moestream.multimodal.vision import load_vision_encoder
@@ -86,6 +87,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = mcfg = ModelConfig.from_hf(config.model)
+        if config.batch_invariant and (mcfg.mla is not None or mcfg.is_hybrid):  # before any weight loads
+            name = get_model_class(mcfg.model_type).display_name or mcfg.model_type
+            raise ValueError(f"batch_invariant is not supported for {name} (multi-head latent attention "
+                             "and linear-attention layers are not covered); turn batch_invariant off")
         self.tokenizer = load_tokenizer(config.model)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)

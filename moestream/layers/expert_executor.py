@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from moestream.experts.interface import ExpertStore, ExpertWeights
 from moestream.experts.resident import ResidentExpertStore
+from moestream.layers.activation import silu
 from moestream.layers.linear import linear, upcasts
 
 
@@ -52,7 +53,7 @@ class ExpertExecutor(Protocol):
 def expert_swiglu(x: torch.Tensor, w: ExpertWeights, row_tile: int = 0) -> torch.Tensor:
     """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype."""
     gate, up = linear(x, w.gate_up, row_tile=row_tile).chunk(2, dim=-1)  # [n, I] each
-    return linear(F.silu(gate) * up, w.down, row_tile=row_tile)  # [n, H]
+    return linear(silu(gate, invariant=row_tile > 0) * up, w.down, row_tile=row_tile)  # [n, H]
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

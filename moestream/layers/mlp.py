@@ -1,9 +1,9 @@
 """Dense SwiGLU MLP (HF Qwen3MoeMLP), used by layers listed in `mlp_only_layers`."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moestream.layers.activation import silu
 from moestream.layers.linear import Linear
 
 
@@ -17,4 +17,6 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # the projections' row_tile > 0 is the batch-invariant mode (set per model)
+        gate = silu(self.gate_proj(x), invariant=self.gate_proj.row_tile > 0)  # [T, I]
+        return self.down_proj(gate * self.up_proj(x))

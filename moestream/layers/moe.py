@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moestream.config import RouterConfig
+from moestream.layers.activation import sigmoid
 from moestream.experts.interface import ExpertStore
 from moestream.layers.expert_executor import ExpertExecutor, PagedExpertExecutor, expert_swiglu, make_expert_executor
 from moestream.layers.linear import Linear
@@ -69,7 +70,8 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             return routed + self.shared_experts(x)
         if self.shared_expert is not None:
-            return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = self.shared_expert_gate(x)  # [T, 1]
+            return routed + sigmoid(gate, invariant=self.shared_expert_gate.row_tile > 0) * self.shared_expert(x)
         return routed
 
     def forward(self, x: torch.Tensor, resident_only: bool = False) -> torch.Tensor:

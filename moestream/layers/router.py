@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moestream.config import RouterConfig
+from moestream.layers.activation import sigmoid
 from moestream.layers.linear import linear
 
 ROUTER_SCORING = ("softmax", "sigmoid")
@@ -60,7 +61,9 @@ class TopKRouter(nn.Module):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> expert scores [T, E] float32 (softmax or sigmoid of the logits)."""
         logits = self.logits(x)
-        return logits.softmax(dim=-1) if self.config.scoring_func == "softmax" else logits.sigmoid()
+        if self.config.scoring_func == "softmax":
+            return logits.softmax(dim=-1)  # per row (a lastdim kernel), already batch-invariant
+        return sigmoid(logits, invariant=self.row_tile > 0)
 
     def choice_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """The scores experts are ranked by [T, E]: `scores`, plus the correction bias for

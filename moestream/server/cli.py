@@ -32,8 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer) "
-                        "(default: the built-in demo model, a small MoE trained on Python's standard library)")
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a built-in "
+                        "model: 'demo' (the default, a small Qwen3-MoE trained on Python's standard library) or "
+                        "'demo-hybrid' (a small Qwen3.5-MoE hybrid with an MTP layer)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weight and activation dtype; auto = the checkpoint's torch_dtype, except that a bf16/fp16 "
                         "checkpoint computes in float32 on a CPU without native bf16 (AVX2 only), where that is "
@@ -124,9 +125,14 @@ def parse_threads(text: str) -> int | str:
     """`--threads`: a positive int, or 'auto'."""
     if text == "auto":
         return text
+    from moestream.threads import MAX_THREADS, available_cores
+
     n = int(text) if text.lstrip("-").isdigit() else 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got '{text}'")
+    if n > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{n} is more than {MAX_THREADS} threads; this process may run on "
+                                         f"{available_cores()} core(s): give at most that, or 'auto'")
     return n
 
 
@@ -197,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(with --ray: the application and the Ray cluster it started shut down, requests "
                                      "still in flight are cancelled).")
     srv.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                     help="Hugging Face checkpoint directory; same as --model (default: the built-in demo model)")
+                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid'); same as "
+                          "--model (default: the built-in demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000,
                      help="TCP port; checked before the model loads (default: 8000)")

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from moestream.demo import BUILTIN_MODELS
 from moestream.server.cli import add_engine_args, engine_kwargs, parse_threads, resolve_threads
 
 if TYPE_CHECKING:
@@ -53,8 +54,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                     "defaults, except that generate is greedy (temperature 0) and stops after 64 tokens "
                     "unless told otherwise.")
     gen.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                     help="Hugging Face checkpoint directory, same as --model: taken as the model only when it is "
-                          "an existing directory followed by a prompt, else it is the first prompt")
+                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid'), same as "
+                          "--model: taken as the model only when it is an existing directory or a built-in name "
+                          "followed by a prompt, else it is the first prompt")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     s = gen.add_argument_group("sampling (as the HTTP API's fields)")
     s.add_argument("--max-tokens", type=int, default=None,
@@ -96,9 +98,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def split_model_and_prompts(model_dir: str | None, prompts: list[str]) -> tuple[str | None, list[str]]:
     """(model, prompts) of generate's positional arguments: the first is the model when it
-    is an existing directory and at least one more follows; otherwise all are prompts."""
+    is an existing directory or a built-in model's name ("demo", "demo-hybrid") and at least
+    one more follows; otherwise all are prompts."""
     positionals = ([] if model_dir is None else [model_dir]) + list(prompts)
-    if len(positionals) > 1 and os.path.isdir(positionals[0]):
+    if len(positionals) > 1 and (os.path.isdir(positionals[0]) or positionals[0] in BUILTIN_MODELS):
         return positionals[0], positionals[1:]
     return None, positionals
 
