@@ -151,24 +151,24 @@ async def _complete(client: Any, prompt: str, stream: bool) -> str:
     return text
 
 
-def test_forty_concurrent_requests_reach_both_replicas_with_single_engine_text(cluster: str, reference: dict) -> None:
+def test_twenty_concurrent_requests_reach_both_replicas_with_single_engine_text(cluster: str, reference: dict) -> None:
     import openai
 
     before = _scrape(cluster, "moestream:request_success_total")
     client = openai.AsyncOpenAI(base_url=cluster + "/v1", api_key="none", max_retries=0, timeout=120)
 
     async def run() -> list[str]:
-        jobs = [_complete(client, PROMPTS[i % 20], stream=i % 2 == 1) for i in range(40)]
+        jobs = [_complete(client, PROMPTS[i], stream=i % 2 == 1) for i in range(20)]
         return await asyncio.gather(*jobs)
 
     texts = asyncio.run(run())
-    assert texts == [reference[PROMPTS[i % 20]] for i in range(40)]
+    assert texts == [reference[PROMPTS[i]] for i in range(20)]
     time.sleep(1.5)  # one metrics push
     after = _scrape(cluster, "moestream:request_success_total")
     served = {r: after[r] - before.get(r, 0.0) for r in after}
     # Balanced: unrelated prompts in a burst spread over both replicas (the router counts its own
     # routing decisions; Ray's queue-length cache saw 0 everywhere and sent all 16 of a burst to one).
-    assert sum(served.values()) == 40 and len(served) == 2 and min(served.values()) >= 12, served
+    assert sum(served.values()) == 20 and len(served) == 2 and min(served.values()) >= 6, served
     r = httpx.get(cluster + "/v1/models", timeout=10)
     assert r.json()["data"][0]["id"] == NAME and r.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
 

@@ -24,6 +24,8 @@ from moestream.experts.trace_sim import BeladyPolicy, future_of, simulate, trace
 
 # The first 60 prompts of ../shared/traces/deepseek_v2_lite_prompt_routing.npz (see fixtures/traces/README.md).
 DEEPSEEK_TRACE = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "deepseek_v2_lite_first60.npz")
+# The hybrid demo model's routing on held-out text, prompts and generated tokens (scripts/train_demo_hybrid.py).
+HYBRID_TRACE = str(Path(__file__).resolve().parent / "fixtures" / "traces" / "demo_hybrid_heldout.npz")
 
 
 def test_save_load_round_trip(tmp_path) -> None:
@@ -163,10 +165,24 @@ def test_simulate_contract(accesses: list[tuple[int, tuple[int, ...]]], capacity
         assert r.misses - r.evictions == min(capacity, len({(l, e) for l, ex in accesses for e in ex} | pinned)) - len(pinned)
 
 
-def test_policies_below_belady_on_real_trace() -> None:
-    trace = RoutingTrace.from_deepseek_npz(DEEPSEEK_TRACE, max_prompts=8)
+def test_hybrid_demo_trace_has_prompts_and_generated_tokens() -> None:
+    """The hybrid demo's trace: 8 MoE layers x 16 experts, top-2, every step's tokens, the 64
+    generated ones included (positions past the 96-token prompts)."""
+    trace = RoutingTrace.load(HYBRID_TRACE)
+    assert set(trace.layer.tolist()) == set(range(8))
+    assert np.all(np.diff(trace.offsets) == 2) and 0 <= trace.experts.min() and trace.experts.max() < 16
+    assert trace.token is not None and trace.token.max() == 96 + 64 - 2  # the last sampled token is never fed back
+    assert len(set(trace.request.tolist())) == 24
+
+
+@pytest.mark.parametrize("which", ["deepseek", "hybrid_demo"])
+def test_policies_below_belady_on_real_trace(which: str) -> None:
+    if which == "deepseek":
+        trace, capacities = RoutingTrace.from_deepseek_npz(DEEPSEEK_TRACE, max_prompts=8), (96, 416)
+    else:  # 128 (layer, expert) keys
+        trace, capacities = RoutingTrace.load(HYBRID_TRACE), (32, 64)
     future = future_of(trace)
-    for capacity in (96, 416):
+    for capacity in capacities:
         best = simulate(trace, BeladyPolicy(future), capacity).hit_rate
         rates = {n: simulate(trace, make_policy(n), capacity).hit_rate for n in POLICY_NAMES}
         print(f"slots {capacity}: " + ", ".join(f"{n} {r:.4f}" for n, r in rates.items()) + f", belady {best:.4f}")
