@@ -152,12 +152,13 @@ def test_generate_sets_the_torch_thread_count(qwen3_moe_dir: str, capsys: pytest
         torch.set_num_threads(2)
         assert main(base + ["--threads", "1"]) == 0
         assert torch.get_num_threads() == 1
+        assert "tokens/s (1 torch thread)\n" in capsys.readouterr().out  # the count used, printed without -v
         torch.set_num_threads(1)
         assert main(base) == 0
         assert torch.get_num_threads() == auto
+        assert f"tokens/s ({auto} torch thread{'s' * (auto != 1)})\n" in capsys.readouterr().out
     finally:
         torch.set_num_threads(before)
-    capsys.readouterr()
 
 
 # ---- generate [MODEL_DIR] PROMPT ... ---------------------------------------------------------------

@@ -185,7 +185,10 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"--- logprobs (token logprob | top {args.logprobs}):")
                 for line in format_logprobs(c, args.logprobs):
                     print(line)
-    print(f"--- {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+    import torch
+
+    n = torch.get_num_threads()
+    print(f"--- {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({n} torch thread{'s' * (n != 1)})")
     stats = llm.expert_stats()
     if not stats["resident"]:
         print(f"--- experts: hit rate {stats['hit_rate']:.3f} ({stats['hits']} hits, {stats['misses']} misses), "
