@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import tempfile
 import time
@@ -130,7 +129,7 @@ def save_hybrid(model, mtp: MTPHead, out_dir: str) -> None:
 
 
 def train_hybrid(args, train_texts: list[str], val_texts: list[str]) -> int:
-    from train_demo_model import encode, plot_history
+    from train_demo_model import encode, learning_rate, plot_history
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
@@ -171,12 +170,11 @@ def train_hybrid(args, train_texts: list[str], val_texts: list[str]) -> int:
         return {k: float(np.mean([o[k].item() for o in outs])) for k in ("lm", "mtp", "mtp_acc")}
 
     budget = args.minutes * 60
-    warmup, step, start = 50, 0, time.time()
+    step, start = 0, time.time()
     history: list[dict] = []
     model.train()
     while time.time() - start < budget:
-        frac = (time.time() - start) / budget
-        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = learning_rate(args.lr, step, (time.time() - start) / budget)
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch(train_ids, rng.integers(0, len(train_ids) - args.seq_len - 1, size=args.batch))

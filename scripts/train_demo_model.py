@@ -132,6 +132,12 @@ def finalize(out_dir: str, val_texts: list[str], hybrid: bool = False) -> None:
         print(f"layer {r['layer']}: max/mean load {r['max_over_mean']:.2f}, min/mean {r['min_over_mean']:.2f}")
 
 
+def learning_rate(peak: float, step: int, frac: float, warmup: int = 50) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of `peak` over the time
+    budget (`frac`: the fraction of it spent)."""
+    return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
 def plot_history(history: list[dict], path: str, title: str) -> None:
     """Training (LM) and held-out loss against step, to a PNG (skipped without matplotlib)."""
     try:
@@ -228,12 +234,11 @@ def main() -> int:
         return float(np.mean(losses))
 
     budget = args.minutes * 60
-    warmup, step, start = 50, 0, time.time()
+    step, start = 0, time.time()
     history: list[dict] = []
     model.train()
     while time.time() - start < budget:
-        frac = (time.time() - start) / budget
-        lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        lr = learning_rate(args.lr, step, (time.time() - start) / budget)
         for g in opt.param_groups:
             g["lr"] = lr
         x = batch(train_ids, rng.integers(0, len(train_ids) - args.seq_len - 1, size=args.batch))
