@@ -61,10 +61,10 @@ def workload(seed: int = 0, scale: float = 1.0) -> list[tuple[str, list[int]]]:
 def run(ckpt: str, alpha: float, bonus: float, device_ckpts: int, host_ckpts: int, scale: float = 1.0) -> dict:
     from moestream import LLM, SamplingParams
 
-    probe = LLM(ckpt, dtype="float32", max_model_len=2048, enable_prefix_caching=False)
+    probe = LLM(ckpt, dtype="float32", max_model_len=2048, enable_prefix_caching=False, threads=1)
     size = probe.llm_engine.state_pool.bytes_per_state
     del probe
-    llm = LLM(ckpt, dtype="float32", max_model_len=2048, state_checkpoint_interval=64,
+    llm = LLM(ckpt, dtype="float32", max_model_len=2048, state_checkpoint_interval=64, threads=1,
               max_state_checkpoints=device_ckpts, state_checkpoint_host_bytes=host_ckpts * size)
     llm.llm_engine.coordinator.checkpoints.eviction_alpha = alpha
     llm.llm_engine.coordinator.checkpoints.hit_bonus = bonus

@@ -70,7 +70,8 @@ def make_engine(spec: dict):
                 lambda: {"enabled": spec["caching"]})
     from moestream import LLM, SamplingParams
 
-    llm = LLM(spec["checkpoint"], dtype="float32", max_model_len=4096, enable_prefix_caching=spec["caching"])
+    llm = LLM(spec["checkpoint"], dtype="float32", max_model_len=4096, enable_prefix_caching=spec["caching"],
+              threads=spec["threads"])
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return (lambda rid, p: engine.add_request({"prompt_token_ids": p}, params, request_id=rid), engine.step,

@@ -41,18 +41,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from moestream import LLM, SamplingParams
 
-    torch.set_num_threads(args.threads)
     ckpt = resolve_checkpoint(args.checkpoint, args.checkpoint_cache)
+    # the engine sets torch's thread count itself (its default "auto" is every core)
     llm = LLM(ckpt, dtype=args.dtype, max_model_len=args.prompt_len + 3 * args.steps + 64,
-              max_num_seqs=args.concurrency)
+              max_num_seqs=args.concurrency, threads=args.threads)
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 32, ignore_eos=True)
     for i in range(args.concurrency):
         engine.add_request({"prompt_token_ids": [rng.randrange(100, 150000) for _ in range(args.prompt_len)]},
                            params, request_id=str(i))
+    t = time.perf_counter()
     while not all(engine.requests[str(i)].output_token_ids for i in range(args.concurrency)):
         engine.step()  # prefill (chunked) until every request has its first token
+    prefill = time.perf_counter() - t
     for _ in range(args.steps):  # warm decode steps
         engine.step()
     t = time.perf_counter()
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     pstats.Stats(pr, stream=s2).sort_stats("tottime").print_stats(args.top)
     header = (f"checkpoint {ckpt}, {args.dtype}, {args.concurrency} requests in decode, {torch.get_num_threads()} "
               f"threads, load {os.getloadavg()[0]:.1f}: {plain * 1e3:.1f} ms per decode step "
-              f"({args.concurrency / plain:.1f} output tok/s)\n")
+              f"({args.concurrency / plain:.1f} output tok/s); prefill of {args.concurrency} x {args.prompt_len} "
+              f"tokens {prefill:.2f} s (first run, includes warm-up)\n")
     lines = [header, "torch.profiler: operators by self CPU time", f"{'op':45s} {'calls':>7s} {'self ms/step':>13s} {'share':>6s}"]
     for e in top_ops:
         lines.append(f"{e.key[:45]:45s} {e.count // args.steps:7d} {e.self_cpu_time_total / 1e3 / args.steps:13.2f} "
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     with open(args.out + ".json", "w") as f:
         json.dump({"checkpoint": ckpt, "concurrency": args.concurrency, "steps": args.steps,
-                   "decode_step_s": plain, "load": os.getloadavg()[0],
+                   "decode_step_s": plain, "prefill_s": prefill, "load": os.getloadavg()[0],
                    "top_ops": [{"op": e.key, "calls_per_step": e.count / args.steps,
                                 "self_s_per_step": e.self_cpu_time_total / 1e6 / args.steps,
                                 "share": e.self_cpu_time_total / total_us} for e in top_ops]}, f, indent=2)

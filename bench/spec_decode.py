@@ -111,7 +111,7 @@ def make_engine(spec: dict):
     from moestream import LLM, SamplingParams
 
     llm = LLM(spec["checkpoint"], dtype="float32", max_model_len=512, speculative_config=spec["speculative"],
-              expert_budget=spec["budget"])
+              expert_budget=spec["budget"], threads=spec["threads"])
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return (lambda rid, p: engine.add_request({"prompt_token_ids": p}, params, request_id=rid), engine.step,

@@ -158,12 +158,14 @@ class MoestreamDriver(SteppedDriver):
     """moestream's LLMEngine (from this checkout), greedy with ignore_eos."""
 
     def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int,
-                 batch_invariant: bool = False) -> None:
+                 threads: int, batch_invariant: bool = False) -> None:
         sys.path.insert(0, ROOT)
         from moestream import LLM
 
+        # threads passed explicitly: LLM's default ("auto": every core) would override the
+        # worker's torch.set_num_threads and give moestream more threads than its peers
         self.llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant)
+                       max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant, threads=threads)
         self.engine = self.llm.llm_engine
 
     def add(self, req: Req) -> None:
@@ -269,9 +271,10 @@ def worker(spec: dict) -> dict:
         torch.set_num_threads(threads)
         info["torch"] = torch.__version__
     if engine == "moestream":
-        driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"],
+        driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"], threads,
                                  spec.get("batch_invariant", False))
         run = lambda wl: run_stepped(driver, wl)  # noqa: E731
+        info["threads"] = torch.get_num_threads()
     elif engine == "vllm":
         import vllm
 

@@ -149,9 +149,18 @@ class Sampler:
         """
         B, V = logits.shape
         dev = logits.device
-        logits = logits.to(torch.float32).clone()  # [B, V]
+        penalized = any(sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+                        for sp in params)
+        processed = any(sp.logits_processors for sp in params)
+        # a private copy only when it is written to (a greedy batch just takes the argmax: the
+        # copy of [B, V] float32 logits was 2 ms of a 66 ms decode step at B=16)
+        logits = logits.to(torch.float32)
+        if penalized or processed:
+            logits = logits.clone()  # [B, V]
         errors: list[Exception | None] = [None] * B
         for i, sp in enumerate(params):
+            if not sp.logits_processors:
+                continue
             row = logits[i]
             try:
                 for proc in sp.logits_processors or []:
@@ -168,8 +177,7 @@ class Sampler:
         def col(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)  # [B]
 
-        if any(sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-               for sp in params):
+        if penalized:
             apply_penalties(logits, prompt_token_ids, output_token_ids,
                             col([sp.repetition_penalty for sp in params]),
                             col([sp.presence_penalty for sp in params]),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moestream.layers.attention_backend import AttentionMetadata, TorchAttentionBackend
+from moestream.layers.attention_backend import AttentionMetadata, TorchAttentionBackend, gather_blocks
 
 
 def _reference(q, keys, vals, positions, ctx, scale, window):
@@ -54,3 +54,15 @@ def test_mixed_batch_matches_reference(window: int | None) -> None:
         vals = v_cache[torch.tensor(table)].reshape(-1, hk, d)[:ctx]
         ref = _reference(q[qsl[i]:qsl[i + 1]], keys, vals, list(range(c, ctx)), ctx, d**-0.5, window)
         assert (out[qsl[i]:qsl[i + 1]] - ref).abs().max().item() < 1e-5, f"request {i} ({c} cached, {n} new)"
+
+
+def test_gather_blocks_equals_indexing_on_strided_caches() -> None:
+    """`gather_blocks` returns cache[table] exactly, for a [b, W] table and a 1-d table, on a
+    contiguous cache and on a strided view (an elastic memory pool's per-layer cache)."""
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randn(2, 12, 4, 2, 8, generator=g)  # [K/V, blocks, bs, Hk, D]
+    table = torch.randint(0, 12, (3, 5), generator=g)
+    for cache in (pool[0].clone(), pool[:, :, :, :, :].select(0, 1), pool.transpose(0, 1)[:, 0]):
+        assert torch.equal(gather_blocks(cache, table), cache[table])
+        assert torch.equal(gather_blocks(cache, table[1]), cache[table[1]])
+    assert gather_blocks(pool[0], table).shape == (3, 5, 4, 2, 8)

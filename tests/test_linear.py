@@ -7,7 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moestream.layers.linear import UPCAST_MIN_ROWS, cpu_has_native_bf16, linear
+from moestream.layers.linear import (
+    UPCAST_MIN_ROWS,
+    Linear,
+    cpu_has_native_bf16,
+    linear,
+    onednn_packing_available,
+    prepacks,
+    process_weights_after_loading,
+)
 
 
 @pytest.mark.parametrize("rows", [1, UPCAST_MIN_ROWS - 1, UPCAST_MIN_ROWS, 64])
@@ -41,3 +49,45 @@ def test_upcast_path_taken_only_where_it_pays() -> None:
         assert torch.equal(linear(big, w), F.linear(big, w))
     else:
         assert torch.equal(linear(big, w), upcast_big)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepacked_bf16_weight_matches_linear_bitwise(with_bias: bool) -> None:
+    """`Linear.process_weights_after_loading` packs a bf16 weight for oneDNN only where that
+    CPU has native bf16 matmul, and the packed module's output is bitwise F.linear's for
+    decode- and prefill-sized calls, 3-d inputs and the batch-invariant tiles. Elsewhere, and
+    for float32, the weight stays as loaded."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(160, 96, generator=g) / 10).bfloat16()
+    b = torch.randn(160, generator=g).bfloat16() if with_bias else None
+    layer = Linear(96, 160, bias=with_bias)
+    layer.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    if with_bias:
+        layer.bias = torch.nn.Parameter(b.clone(), requires_grad=False)
+    packed = layer.process_weights_after_loading()
+    assert packed == prepacks(w)
+    assert packed == (cpu_has_native_bf16() and onednn_packing_available())
+    assert layer.weight.is_mkldnn == packed and layer.packed == packed
+    assert layer.process_weights_after_loading() is False  # packing is done once
+    for shape in [(1, 96), (7, 96), (16, 96), (64, 96), (3, 5, 96), (0, 96)]:
+        x = torch.randn(*shape, generator=g).bfloat16()
+        assert torch.equal(layer(x), linear(x, w, b)), shape
+    x = torch.randn(13, 96, generator=g).bfloat16()
+    layer.row_tile = 8
+    assert torch.equal(layer(x), linear(x, w, b, row_tile=8))
+    assert torch.equal(layer(x)[3], linear(x[3:4], w, b, row_tile=8)[0])  # a row alone, in the same tile shape
+    f32 = Linear(96, 160)
+    f32.weight = torch.nn.Parameter(w.float(), requires_grad=False)
+    assert not f32.process_weights_after_loading() and not f32.weight.is_mkldnn
+
+
+def test_process_weights_after_loading_counts_and_skips_unpackable() -> None:
+    """The model-wide pass packs every packable bf16 `Linear` (where the CPU allows) and leaves
+    modules marked `packable = False` (weights read directly, e.g. MLA's kv_b_proj) alone."""
+    model = torch.nn.Sequential(Linear(32, 48), Linear(48, 32), Linear(32, 16))
+    for m in model:
+        m.weight = torch.nn.Parameter(torch.randn(m.weight.shape).bfloat16(), requires_grad=False)
+    model[2].packable = False
+    expected = 2 if prepacks(model[0].weight) else 0
+    assert process_weights_after_loading(model) == expected
+    assert not model[2].weight.is_mkldnn and model[0].packed == (expected == 2)

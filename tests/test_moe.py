@@ -5,6 +5,7 @@ matmuls equal the per-expert loop bit for bit; both equal a naive per-token sum.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.expert_executor import (
@@ -129,3 +130,31 @@ def test_grouped_matmul_used_on_cpu_float32() -> None:
     above tests it), and never in the batch-invariant mode's row tiles."""
     assert grouped_mm_matches_linear(torch.float32, torch.device("cpu"))
     assert not grouped_mm_matches_linear(torch.float32, torch.device("meta"))
+
+
+def test_resident_grouped_path_traces_as_one_graph() -> None:
+    """Where the resident executor takes its grouped path (bf16 on a CPU with native bf16:
+    torch's `_grouped_mm` shape checks accept only bf16 when traced), it has no host sync and
+    no data-dependent Python: torch.compile traces it whole (`fullgraph=True` raises on any
+    graph break, such as a `.tolist()`) and the traced graph computes the same values. Where
+    it loops over experts instead, tracing it whole fails on that loop's host sync."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    H, I, E, K, T = 32, 16, 8, 2, 6
+    store = ResidentExpertStore()
+    store.set_layer(0, (torch.randn(E, 2 * I, H) / H**0.5).bfloat16(), (torch.randn(E, H, I) / I**0.5).bfloat16())
+    executor = ResidentExpertExecutor(store, 0, E)
+    x, weights = torch.randn(T, H).bfloat16(), torch.rand(T, K)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])  # [T, K]; 12 pairs >= E / 2: grouped
+    eager = executor.forward(x, weights, ids)  # decides the path once, outside the trace
+    assert executor.grouped == grouped_mm_matches_linear(torch.bfloat16, torch.device("cpu"))
+    compiled = torch.compile(executor.forward, backend="eager", fullgraph=True)
+    try:
+        if executor.grouped:
+            torch.testing.assert_close(compiled(x, weights, ids), eager, rtol=0, atol=0)
+        else:
+            # the loop's per-expert row counts come from the host (`.tolist()`)
+            with pytest.raises((torch._dynamo.exc.Unsupported, GuardOnDataDependentSymNode)):
+                compiled(x, weights, ids)
+    finally:
+        torch._dynamo.reset()

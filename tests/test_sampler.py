@@ -243,3 +243,23 @@ def test_logits_processors_applied_before_logprobs() -> None:
     assert out.token_ids == [7, int(logits[1].argmax())]
     assert seen == [[3, 5]]
     assert out.logprobs[0] == [(7, 0.0, 1), (7, 0.0, 1)]
+
+
+def test_caller_logits_never_modified() -> None:
+    """The sampler copies the logits only when it writes to them (penalties, logits
+    processors, even one that edits its row in place); the caller's tensor keeps its values."""
+
+    def zero_first_in_place(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        logits[0] = 100.0
+        return logits
+
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5))
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0),
+              SamplingParams(temperature=0.0, logits_processors=[zero_first_in_place]),
+              SamplingParams(temperature=0.0)]
+    out = run(Sampler(), logits, params, outputs=[[int(before[0].argmax())], [], []])
+    assert torch.equal(logits, before)
+    assert out.token_ids[1] == 0 and out.token_ids[2] == int(before[2].argmax())
+    greedy = run(Sampler(), logits, [SamplingParams(temperature=0.0)] * 3)
+    assert greedy.token_ids == before.argmax(dim=-1).tolist() and torch.equal(logits, before)

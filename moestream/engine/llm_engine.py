@@ -29,8 +29,7 @@ from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.generation_config import default_sampling_fields
 from moestream.layers.attention_backend import TorchAttentionBackend
-from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE
-from moestream.layers.linear import cpu_has_native_bf16
+from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
 from moestream.loader import (
     CheckpointReader,
     build_model,
@@ -277,6 +276,10 @@ class LLMEngine:
             mcfg.multimodal is not None) else None
         self.mtp = load_mtp(mcfg, reader, self.dtype, self.device, TorchAttentionBackend()) if (
             sc is not None and sc.method == "mtp") else None
+        packed = process_weights_after_loading(model) + (
+            process_weights_after_loading(self.mtp) if self.mtp is not None else 0)
+        if packed:
+            logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)
         return model
 
     def save_routing_trace(self) -> None:

@@ -90,8 +90,11 @@ class ResidentExpertExecutor:
 
     def __init__(self, store: ResidentExpertStore, layer_idx: int, num_experts: int) -> None:
         self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
+        self.grouped: bool | None = None  # grouped_mm_matches_linear for the first call's dtype and device
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
+            self.grouped = grouped_mm_matches_linear(x.dtype, x.device)
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
@@ -101,7 +104,7 @@ class ResidentExpertExecutor:
         # grouped matmul walks every group, empty ones too, so the loop over the few active
         # experts is faster there (both compute each expert alike).
         if (self.row_tile or topk_ids.numel() * 2 < self.num_experts
-                or not grouped_mm_matches_linear(x.dtype, x.device)):
+                or not self.grouped):
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             return _loop(x, token_of, pair_weight, counts_list, active,

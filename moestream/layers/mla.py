@@ -53,6 +53,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank, num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.kv_b_proj.packable = False  # its weight is read directly (the absorbed products)
         self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
         self.rotary, self.backend = rotary, backend
 
