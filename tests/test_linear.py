@@ -8,11 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from moestream.layers.linear import (
+    ONEDNN_ROW_BUCKET,
     UPCAST_MIN_ROWS,
     Linear,
+    bucket_rows,
+    buckets_rows,
     cpu_has_native_bf16,
     linear,
     onednn_packing_available,
+    pack_weight,
     prepacks,
     process_weights_after_loading,
 )
@@ -91,3 +95,28 @@ def test_process_weights_after_loading_counts_and_skips_unpackable() -> None:
     expected = 2 if prepacks(model[0].weight) else 0
     assert process_weights_after_loading(model) == expected
     assert not model[2].weight.is_mkldnn and model[0].packed == (expected == 2)
+
+
+def test_bucket_rows_values() -> None:
+    assert [bucket_rows(m) for m in (0, 1, 31, 32, 33, 64, 65, 100)] == [0, 1, 31, 32, 64, 64, 96, 128]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_onednn_bf16_calls_run_padded_to_row_buckets(packed: bool) -> None:
+    """Where bf16 calls go to oneDNN (native bf16 CPUs), a call of m > ONEDNN_ROW_BUCKET rows
+    computes exactly as the call zero-padded to `bucket_rows(m)` rows, so calls whose row
+    counts share a bucket give a row the same bits. Elsewhere bf16 calls are not padded."""
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(64, 48, generator=g) / 7).bfloat16()
+    weight = pack_weight(w) if packed and prepacks(w) else w
+    is_packed = weight is not w
+    x = torch.randn(50, 48, generator=g).bfloat16()
+    padded = torch.cat([x, x.new_zeros(bucket_rows(50) - 50, 48)])  # [64, 48]
+    assert buckets_rows(x, w) == cpu_has_native_bf16()
+    out = linear(x, weight, packed=is_packed)
+    if buckets_rows(x, w):
+        assert torch.equal(out, F.linear(padded, w)[:50])
+        assert torch.equal(linear(x[:40], weight, packed=is_packed), out[:40])  # 40 and 50 rows: one bucket
+        assert torch.equal(linear(x[:ONEDNN_ROW_BUCKET], weight, packed=is_packed), F.linear(x[:ONEDNN_ROW_BUCKET], w))
+    else:  # no native bf16: calls of UPCAST_MIN_ROWS+ rows run in float32
+        assert torch.equal(out, F.linear(x.float(), w.float()).bfloat16())

@@ -101,7 +101,7 @@ def _old_loop(x, weights, ids, gate_up, down):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3, 16, 70])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 70, 200])
 def test_resident_executor_equals_per_expert_loop_bitwise(dtype: torch.dtype, tokens: int) -> None:
     """Random routing (some experts idle, some with many rows): the resident executor (grouped
     matmuls where they equal `linear`) and the paged executor in waves of 3 experts give the

@@ -7,9 +7,12 @@ experts are resident or paged:
 - `ResidentExpertExecutor`: every expert of the layer stacked on the device ([E, 2I, H] and
   [E, H, I]). The (token, k) pairs are sorted by expert once, both projections run as one
   grouped matmul each over all active experts (`torch._grouped_mm`, offsets computed on the
-  device), and the outputs are combined with one weighted `index_add_`. No Python work per
-  expert and no host sync on this path (the routing recorder, when on, is the exception).
-  With fewer (token, k) pairs than half the experts it loops over the active ones instead.
+  device), and the outputs are combined with a weighted `index_add_` (`weighted_sum`). No
+  Python work per expert and no host sync on this path (the routing recorder, when on, is the
+  exception; so is bf16 on a CPU with native bf16, where each group is padded to
+  `bucket_rows` of its count, as `linear` pads a call, and the padded total is read on the
+  host, which there is the device). With fewer (token, k) pairs than half the experts it
+  loops over the active ones instead.
 - `PagedExpertExecutor`: the expert store's contract (`ExpertStore`): the router's choice
   goes to `on_route`, the active experts are made resident with `ensure` in waves of at most
   the store's slots, and the next layer's experts are predicted for prefetch (gate
@@ -36,7 +39,11 @@ import torch.nn.functional as F
 from moestream.experts.interface import ExpertStore, ExpertWeights
 from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.activation import silu
-from moestream.layers.linear import linear, upcasts
+from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
+
+
+# Rows per chunk of `weighted_sum` (1024 x H float32: 2 MiB at H = 512).
+COMBINE_CHUNK = 1024
 
 
 class ExpertExecutor(Protocol):
@@ -109,11 +116,38 @@ class ResidentExpertExecutor:
             active = [e for e, c in enumerate(counts_list) if c]
             return _loop(x, token_of, pair_weight, counts_list, active,
                          lambda e: ExpertWeights(gate_up[e], down[e]), self.row_tile, out)
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
-        rows = x[token_of]  # [T*k, H] grouped by expert
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [T*k, I] each
-        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [T*k, H]
-        return out.index_add_(0, token_of, y.float() * pair_weight[:, None])
+        pairs, t = topk_ids.numel(), x.shape[0]
+        if pairs > ONEDNN_ROW_BUCKET and buckets_rows(x, gate_up):
+            # Each expert's group padded to `bucket_rows` of its count, as `linear` pads a
+            # call. The row count is read on the host: this path only runs on CPU.
+            padded = torch.where(counts > ONEDNN_ROW_BUCKET, (counts + ONEDNN_ROW_BUCKET - 1)
+                                 // ONEDNN_ROW_BUCKET * ONEDNN_ROW_BUCKET, counts)  # [E]
+            offsets = torch.cumsum(padded, 0, dtype=torch.int32)  # [E] end row of each padded group
+            shift = (offsets - padded) - (torch.cumsum(counts, 0) - counts)  # [E] padded start - start
+            dest = torch.arange(pairs, device=x.device) + shift[topk_ids.flatten()[order]]  # [T*k] padded row
+            target = torch.full((int(offsets[-1]),), t, dtype=token_of.dtype, device=x.device)  # [P]
+            target[dest] = token_of  # the token of each padded row; t (a zero row) for padding
+            weight = pair_weight.new_zeros(target.shape).index_copy_(0, dest, pair_weight)  # [P]
+            rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[target]  # [P, H] grouped by expert
+            out = x.new_zeros(t + 1, x.shape[1], dtype=torch.float32)  # [T + 1, H]; row t takes the padding
+        else:
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
+            target, weight, rows = token_of, pair_weight, x[token_of]  # [T*k], [T*k], [T*k, H]
+        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [P, I] each
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [P, H]
+        return weighted_sum(out, target, y, weight)[:t]
+
+
+def weighted_sum(out: torch.Tensor, target: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """out [T, H] float32 += weight[i] * y[i] at row target[i], for y [P, H] (any float dtype),
+    target [P] int64 and weight [P] float32; returns out. Runs in chunks of `COMBINE_CHUNK`
+    rows so that the float32 temporaries stay small: a prefill's [T*k, H] float32 products
+    (16 MB on `small`) otherwise came from fresh pages on every layer and took 15-30 ms to
+    make. Each row's sum is taken in index order either way, so the chunks do not change it."""
+    for c in range(0, y.shape[0], COMBINE_CHUNK):
+        rows = slice(c, c + COMBINE_CHUNK)
+        out.index_add_(0, target[rows], y[rows].float() * weight[rows, None])
+    return out
 
 
 class PagedExpertExecutor:
@@ -164,7 +198,7 @@ def _loop(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, co
         start, end = starts[e], starts[e + 1]
         rows = token_of[start:end]  # [n]
         y = expert_swiglu(x[rows], weights_of(e), row_tile)  # [n, H]
-        out.index_add_(0, rows, y.float() * pair_weight[start:end, None])
+        weighted_sum(out, rows, y, pair_weight[start:end])
     return out
 
 
