@@ -263,3 +263,10 @@ def test_caller_logits_never_modified() -> None:
     assert out.token_ids[1] == 0 and out.token_ids[2] == int(before[2].argmax())
     greedy = run(Sampler(), logits, [SamplingParams(temperature=0.0)] * 3)
     assert greedy.token_ids == before.argmax(dim=-1).tolist() and torch.equal(logits, before)
+
+
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    """Greedy picks what argmax picks: the lowest id among tied maxima, in every row."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [-1.0, -1.0, -1.0, -1.0], [0.0, 2.0, 5.0, 5.0]])
+    out = run(Sampler(), logits, [SamplingParams(temperature=0.0)] * 3)
+    assert out.token_ids == [1, 0, 2] == logits.argmax(dim=-1).tolist()
