@@ -141,9 +141,9 @@ class ResidentExpertExecutor:
 def weighted_sum(out: torch.Tensor, target: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """out [T, H] float32 += weight[i] * y[i] at row target[i], for y [P, H] (any float dtype),
     target [P] int64 and weight [P] float32; returns out. Runs in chunks of `COMBINE_CHUNK`
-    rows so that the float32 temporaries stay small: a prefill's [T*k, H] float32 products
-    (16 MB on `small`) otherwise came from fresh pages on every layer and took 15-30 ms to
-    make. Each row's sum is taken in index order either way, so the chunks do not change it."""
+    rows so that the float32 temporaries stay small: made in one piece, a prefill's [T*k, H]
+    float32 products (16 MB on `small`) took 15-30 ms per layer in the profile (upcast and
+    multiply). Each row's sum is taken in index order either way, so chunks do not change it."""
     for c in range(0, y.shape[0], COMBINE_CHUNK):
         rows = slice(c, c + COMBINE_CHUNK)
         out.index_add_(0, target[rows], y[rows].float() * weight[rows, None])
