@@ -158,3 +158,31 @@ def test_resident_grouped_path_traces_as_one_graph() -> None:
                 compiled(x, weights, ids)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(48, 96, 10, 3, 123), (48, 100, 10, 4, 120)])
+def test_paged_equals_resident_when_silu_tails_differ(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """Regression: the resident executor ran F.silu once over all experts' rows and the paged
+    one per expert, so an element could take torch's scalar tail in one and the SIMD loop in
+    the other (369 pairs x 96: one call split between 2 threads at an offset that is not a
+    multiple of the vector step), and float32 logprobs changed with the expert budget. Both
+    use the aligned silu now. An intermediate width of 100 in bf16 (rows not a multiple of 16
+    bytes) takes the per-expert loop: torch's grouped matmul raised on it."""
+    H, I, E, K, T = shape
+    torch.manual_seed(7)
+    gate_up = (3 * torch.randn(E, 2 * I, H) / H**0.5).to(dtype)
+    down = (torch.randn(E, H, I) / I**0.5).to(dtype)
+    store = ResidentExpertStore()
+    store.set_layer(0, gate_up, down)
+    x = torch.randn(T, H).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])  # [T, K]
+    weights = torch.rand(T, K)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        resident = ResidentExpertExecutor(store, 0, E).forward(x, weights, ids)
+        paged = PagedExpertExecutor(RecordingStore(store, slots=3), 0, E).forward(x, weights, ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(resident, paged)

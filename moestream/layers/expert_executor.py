@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from moestream.experts.interface import ExpertStore, ExpertWeights
 from moestream.experts.resident import ResidentExpertStore
@@ -60,7 +59,9 @@ class ExpertExecutor(Protocol):
 def expert_swiglu(x: torch.Tensor, w: ExpertWeights, row_tile: int = 0) -> torch.Tensor:
     """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype."""
     gate, up = linear(x, w.gate_up, row_tile=row_tile).chunk(2, dim=-1)  # [n, I] each
-    return linear(silu(gate, invariant=row_tile > 0) * up, w.down, row_tile=row_tile)  # [n, H]
+    # always the aligned silu: the resident executor runs it over all experts' rows at once,
+    # the paged one per expert, and torch's scalar tail would round some elements otherwise
+    return linear(silu(gate, invariant=True) * up, w.down, row_tile=row_tile)  # [n, H]
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,10 +101,12 @@ class ResidentExpertExecutor:
         self.grouped: bool | None = None  # grouped_mm_matches_linear for the first call's dtype and device
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
-            self.grouped = grouped_mm_matches_linear(x.dtype, x.device)
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
+        if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
+            # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
+            aligned = all(d * down.element_size() % 16 == 0 for d in down.shape[1:])
+            self.grouped = aligned and grouped_mm_matches_linear(x.dtype, x.device)
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
@@ -134,7 +137,7 @@ class ResidentExpertExecutor:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
             target, weight, rows = token_of, pair_weight, x[token_of]  # [T*k], [T*k], [T*k, H]
         gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [P, I] each
-        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [P, H]
+        y = torch._grouped_mm(silu(gate, invariant=True) * up, down.transpose(1, 2), offs=offsets)  # [P, H]
         return weighted_sum(out, target, y, weight)[:t]
 
 
