@@ -163,7 +163,7 @@ class Sampler:
                 continue
             row = logits[i]
             try:
-                for proc in sp.logits_processors or []:
+                for proc in sp.logits_processors:
                     row = proc(list(output_token_ids[i]), row)
                     if not isinstance(row, torch.Tensor) or row.shape != (V,):
                         raise TypeError(f"a logits processor must return a tensor of shape ({V},), got {row!r:.80}")

@@ -57,8 +57,12 @@ def buckets_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     1.0 s, against 0.26 s when the same batch ran again). With buckets of 32 rows the shapes
     repeat and at most 31 zero rows are added per call. float32 is MKL, which has no
     per-shape cost; CPUs without native bf16 upcast instead (`linear`)."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and cpu_has_native_bf16())
+    return _onednn_bf16(x) and weight.dtype == torch.bfloat16
+
+
+def _onednn_bf16(t: torch.Tensor) -> bool:
+    """A bf16 CPU tensor on a CPU with native bf16 matmul: its matmuls are oneDNN's bf16 kernels."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16 and cpu_has_native_bf16()
 
 
 @functools.cache
@@ -78,8 +82,7 @@ def prepacks(weight: torch.Tensor) -> bool:
     lm_head 11-14 ms against 19-20 ms (14 against 8 GB/s), and the results are bitwise the same
     (both are oneDNN's bf16 kernels; only the weight's re-layout per call is saved). float32
     is not packed: there `F.linear` is MKL, and oneDNN's float32 kernels round differently."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_has_native_bf16()
-            and onednn_packing_available())
+    return _onednn_bf16(weight) and onednn_packing_available()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
