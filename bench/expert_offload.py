@@ -86,6 +86,7 @@ TEXT_PROMPTS = [  # real text for a trained model (`--model`): its routing is re
 
 def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str, policy: str,
             host_cache_bytes: int, dtype: str, text: bool, elastic: bool, kv_cache_blocks: int | None) -> dict:
+    from moestream.models.hf_config import model_config_from_hf
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
@@ -96,7 +97,7 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
         from moestream import ModelConfig
         from moestream.engine.kv_cache import kv_block_bytes
 
-        mc = ModelConfig.from_hf(ckpt)
+        mc = model_config_from_hf(ckpt)
         kv_bytes = kv_cache_blocks * kv_block_bytes(len(mc.attention_layers), 16, mc.num_kv_heads, mc.head_dim,
                                                     getattr(torch, dtype))
     llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=batch,
@@ -179,7 +180,7 @@ def main() -> int:
         make_checkpoint(args.ckpt, args.layers, args.experts, args.hidden, args.moe_intermediate)
     from moestream import ModelConfig
 
-    cfg = ModelConfig.from_hf(args.ckpt)
+    cfg = model_config_from_hf(args.ckpt)
     expert_tensor_bytes = cfg.moe_intermediate_size * cfg.hidden_size * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     expert_total = sum(cfg.moe_layers) * cfg.num_experts * 3 * expert_tensor_bytes
     bw = disk_bandwidth(args.ckpt, expert_tensor_bytes, args.bandwidth_bytes)

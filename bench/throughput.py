@@ -508,9 +508,9 @@ def decode_weight_bytes(ckpt: str, dtype: str) -> int | None:
     the router and top-k routed experts (or the dense MLP), plus any shared expert; then the
     lm_head. None for MLA and linear-attention models (not modelled here)."""
     sys.path.insert(0, ROOT)
-    from moestream.config import ModelConfig
+    from moestream.models.hf_config import model_config_from_hf
 
-    c = ModelConfig.from_hf(ckpt)
+    c = model_config_from_hf(ckpt)
     if c.mla is not None or c.is_hybrid:
         return None
     attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)

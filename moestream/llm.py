@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from moestream.config import EngineConfig
+from moestream.engine.args import engine_config
 from moestream.engine.llm_engine import LLMEngine, PromptType
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
@@ -25,89 +26,30 @@ class LLM:
         outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
         print(outs[0].outputs[0].text)
 
-    Arguments are EngineConfig's (see there for units and defaults), and `threads`: torch's
-    intra-op threads, set for this process (`moestream.threads`): an int, 'auto' (default: on
-    CPU every core this process may run on; 2 beat 1 by 1.3-1.6x on an idle 2-core machine)
-    or None (leave torch's setting). The choice is logged.
+    Keyword arguments are the engine options (`EngineConfig`'s fields, declared once in
+    `moestream/config/engine.py`; `moestream generate --help` lists them as flags), among
+    them `threads`: torch's intra-op threads, set for this process (`moestream.threads`): an
+    int, 'auto' (default: on CPU the cores this process may use) or None (leave torch's
+    setting). The choice is logged.
 
     Raises:
+        TypeError: a keyword that is not an engine option.
         ValueError: bad arguments, a missing model directory, or an unreadable checkpoint.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        seed: int = 0,
-        expert_budget: float | int | None = None,
-        expert_host_cache_bytes: int = 0,
-        expert_policy: str = "next_use",
-        expert_prefetch: str = "auto",
-        expert_pin_profile: str | None = None,
-        enable_elastic_memory: bool = False,
-        record_routing: str | None = None,
-        max_resident_states: int | None = None,
-        mamba_ssm_cache_dtype: str = "float32",
-        generation_config: str = "auto",
-        max_logprobs: int = 20,
-        enable_prefix_caching: bool = True,
-        state_checkpoint_interval: int = 512,
-        max_state_checkpoints: int | None = None,
-        state_checkpoint_host_bytes: int = 1 << 30,
-        speculative_config: dict | None = None,
-        limit_mm_per_prompt: dict | None = None,
-        max_image_pixels: int = 8192 * 8192,
-        batch_invariant: bool = False,
-        threads: int | str | None = "auto",
-    ) -> None:
-        n = resolve_threads(threads, device)
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        config = engine_config(model, **kwargs)
+        n = resolve_threads(config.threads, config.device)
         before = torch.get_num_threads()
         if n is not None:
             torch.set_num_threads(n)
         try:
-            self.llm_engine = LLMEngine(
-                EngineConfig(
-                    model=model,
-                    dtype=dtype,
-                    device=device,
-                    max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs,
-                    max_num_batched_tokens=max_num_batched_tokens,
-                    block_size=block_size,
-                    kv_cache_memory_bytes=kv_cache_memory_bytes,
-                    seed=seed,
-                    expert_budget=expert_budget,
-                    expert_host_cache_bytes=expert_host_cache_bytes,
-                    expert_policy=expert_policy,
-                    expert_prefetch=expert_prefetch,
-                    expert_pin_profile=expert_pin_profile,
-                    enable_elastic_memory=enable_elastic_memory,
-                    record_routing=record_routing,
-                    max_resident_states=max_resident_states,
-                    mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
-                    generation_config=generation_config,
-                    max_logprobs=max_logprobs,
-                    enable_prefix_caching=enable_prefix_caching,
-                    state_checkpoint_interval=state_checkpoint_interval,
-                    max_state_checkpoints=max_state_checkpoints,
-                    state_checkpoint_host_bytes=state_checkpoint_host_bytes,
-                    speculative_config=speculative_config,
-                    limit_mm_per_prompt=limit_mm_per_prompt,
-                    max_image_pixels=max_image_pixels,
-                    batch_invariant=batch_invariant,
-                )
-            )
+            self.llm_engine = LLMEngine(config)
         except BaseException:
             torch.set_num_threads(before)  # a failed LLM() leaves the process as it found it
             raise
         logger.info("torch threads: %d%s", torch.get_num_threads(),
-                    " (auto: every core this process may run on)" if threads == "auto" and n is not None else "")
+                    " (auto: the cores this process may use)" if config.threads == "auto" and n is not None else "")
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding counters: num_drafts, num_draft_tokens, num_accepted_tokens,
@@ -161,7 +103,11 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params; pass one or one per prompt")
         else:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
-        return self.llm_engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
+        ids = self.llm_engine.add_requests([(None, p, sp) for p, sp in zip(prompts, params)])
+        engine = self.llm_engine  # max_tokens beyond max_model_len: cut there (not an error offline), warned once
+        for rid, sp in zip(ids, params):
+            engine.input_processor.check_max_tokens(engine.requests[rid].num_prompt_tokens, sp.max_tokens, strict=False)
+        return ids
 
     def generate(
         self,

@@ -65,6 +65,7 @@ from parity import TIE_GAP, LogitsRecorder, greedy_params  # noqa: E402
 from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 import moestream  # noqa: E402
+from moestream.models.hf_config import model_config_from_hf  # noqa: E402
 from moestream import LLM, EngineConfig, ModelConfig, SamplingParams  # noqa: E402
 from moestream.experts.store import PagedExpertStore  # noqa: E402
 
@@ -240,7 +241,7 @@ def parity_prompts(vocab_limit: int, seed: int = 1234) -> list[list[int]]:
 
 
 def prompts_for(model_dir: str) -> list[list[int]]:
-    return parity_prompts(min(30000, ModelConfig.from_hf(model_dir).vocab_size - 1))
+    return parity_prompts(min(30000, model_config_from_hf(model_dir).vocab_size - 1))
 
 
 def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> Run:
@@ -336,7 +337,7 @@ def off_device(llm: LLM, device: torch.device) -> list[str]:
 
 
 def expert_bytes(model_dir: str, elem: int = 4) -> int:
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = model_config_from_hf(model_dir)
     return 3 * cfg.moe_intermediate_size * cfg.hidden_size * elem
 
 
@@ -348,7 +349,7 @@ def paged_kwargs(model_dir: str, prefetch: str, elem: int = 4) -> dict[str, Any]
     gate's hints find none); otherwise half a layer's experts, so that a batch runs each
     layer in waves.
     """
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = model_config_from_hf(model_dir)
     eb = expert_bytes(model_dir, elem)
     slots = cfg.num_experts * 3 // 2 if prefetch == "gate" else max(cfg.num_experts // 2, cfg.num_experts_per_tok)
     total = sum(cfg.moe_layers) * cfg.num_experts
@@ -445,7 +446,7 @@ def check_checkpoint(ck: Checker, rec: Record, mt: str) -> None:
         ck.env["workdir"] = ck.args.workdir or tempfile.mkdtemp(prefix="moestream-cuda-check-")
     extra = {"sliding_window": MIXTRAL_SLIDING_WINDOW} if mt == "mixtral" else {}
     d = make_tiny_checkpoint(os.path.join(ck.env["workdir"], mt), mt, seed=SEEDS[mt], **extra)
-    cfg = ModelConfig.from_hf(d)
+    cfg = model_config_from_hf(d)
     ck.dirs[mt] = d
     rec.data.update(path=d, moe_layers=sum(cfg.moe_layers), num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
                     expert_bytes_fp32=expert_bytes(d), layer_types=list(cfg.layer_types))
@@ -677,7 +678,7 @@ def check_sampler(ck: Checker, rec: Record) -> None:
     """Seeded and engine-seeded sampling with every processor on the device reproduces itself."""
     d = ck.dirs["qwen3_moe"]
     prompts = prompts_for(d)
-    vocab = ModelConfig.from_hf(d).vocab_size
+    vocab = model_config_from_hf(d).vocab_size
 
     def params(i: int) -> SamplingParams:
         common = dict(max_tokens=16, logprobs=3, ignore_eos=True)

@@ -11,7 +11,8 @@ import torch
 from moestream import LLM, SamplingParams
 from moestream.layers.activation import sigmoid, silu
 from moestream.layers.linear import batch_invariant_linear, linear
-from moestream.server.cli import build_parser, engine_kwargs
+from moestream.engine.args import engine_kwargs
+from moestream.server.cli import build_parser
 from tiny_checkpoint import make_tiny_checkpoint
 
 

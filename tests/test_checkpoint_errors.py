@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig
 
 # fixture name -> (display name in errors, fields its config.json must have)
@@ -66,7 +67,7 @@ def _expect(path: str, message: str) -> str:
 def test_fixture_configs_are_valid(request: pytest.FixtureRequest, tmp_path, model: str) -> None:
     """The unbroken configs load, so the failures below are due to the one field each breaks."""
     _write(tmp_path, _hf_config(request, model))
-    cfg = ModelConfig.from_hf(str(tmp_path))
+    cfg = model_config_from_hf(str(tmp_path))
     assert cfg.hidden_size == 64 and cfg.num_experts == 8
     assert cfg.weight_prefix == ("model.language_model." if model == "qwen3_5_moe_vl" else "model.")
 
@@ -80,7 +81,7 @@ def test_missing_required_field_names_it_and_the_file(
     path = _write(tmp_path, cfg)
     message = f"field '{name}' is missing; a {REQUIRED[model][0]} config needs it"
     with pytest.raises(ValueError, match=_expect(path, message)):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
 
 
 @pytest.mark.parametrize(("model", "field"), CASES)
@@ -94,7 +95,7 @@ def test_mistyped_required_field_names_it_and_the_file(
         path = _write(tmp_path, cfg)
         message = f"field '{name}' must be an integer, got {type(bad).__name__} {bad!r}"
         with pytest.raises(ValueError, match=_expect(path, message)):
-            ModelConfig.from_hf(str(tmp_path))
+            model_config_from_hf(str(tmp_path))
 
 
 def test_qwen3_moe_without_any_expert_count(request: pytest.FixtureRequest, tmp_path) -> None:
@@ -104,7 +105,7 @@ def test_qwen3_moe_without_any_expert_count(request: pytest.FixtureRequest, tmp_
     path = _write(tmp_path, cfg)
     message = "field 'num_experts' (or 'num_local_experts') is missing; a Qwen3-MoE config needs it"
     with pytest.raises(ValueError, match=_expect(path, message)):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -130,7 +131,7 @@ def test_bad_optional_field_names_it_and_the_file(
     cfg[field] = value
     path = _write(tmp_path, cfg)
     with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
 
 
 def test_bad_rope_field_names_its_section(request: pytest.FixtureRequest, tmp_path) -> None:
@@ -139,13 +140,13 @@ def test_bad_rope_field_names_its_section(request: pytest.FixtureRequest, tmp_pa
     path = _write(tmp_path, cfg)
     message = "field 'text_config.rope_parameters.rope_theta' must be a number, got str '1e6'"
     with pytest.raises(ValueError, match=_expect(path, message)):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
     cfg["text_config"]["rope_parameters"]["rope_theta"] = 1e6
     cfg["text_config"]["rope_scaling"] = {"rope_type": "linear", "factor": "2"}
     path = _write(tmp_path, cfg)
     message = "field 'text_config.rope_scaling.factor' must be a number, got str '2'"
     with pytest.raises(ValueError, match=_expect(path, message)):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
 
 
 def _copy(src: str, dst: str) -> str:

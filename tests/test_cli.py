@@ -121,7 +121,7 @@ def test_lazy_package_exports() -> None:
 
 
 def test_resolve_threads() -> None:
-    from moestream.server.cli import resolve_threads
+    from moestream.threads import resolve_threads
 
     assert resolve_threads("auto", "cpu") == len(os.sched_getaffinity(0))  # generate, offline LLM
     assert resolve_threads("auto", "cpu", reserve=1) == max(1, len(os.sched_getaffinity(0)) - 1)  # serve
@@ -143,7 +143,7 @@ def test_resolve_threads() -> None:
 def test_generate_sets_the_torch_thread_count(qwen3_moe_dir: str, capsys: pytest.CaptureFixture) -> None:
     import torch
 
-    from moestream.server.cli import resolve_threads
+    from moestream.threads import resolve_threads
 
     before = torch.get_num_threads()
     auto = resolve_threads("auto", "cpu")
@@ -171,7 +171,12 @@ def test_split_model_and_prompts(tmp_path) -> None:
     assert split_model_and_prompts(d, ["Hi", "Yo"]) == (d, ["Hi", "Yo"])
     assert split_model_and_prompts(None, [d]) == (None, [d])  # a lone directory is a prompt
     assert split_model_and_prompts("Hi", ["Yo"]) == (None, ["Hi", "Yo"])  # not a directory: a prompt
-    assert split_model_and_prompts(str(tmp_path / "missing"), ["Yo"]) == (None, [str(tmp_path / "missing"), "Yo"])
+    # Regression: a mistyped model directory was taken as a first prompt (exit 0); a path-like
+    # first argument that is not a directory is an error naming it.
+    for typo in (str(tmp_path / "missing"), "./ckpt", "models/qwen"):
+        with pytest.raises(ValueError, match=f"model directory '{re.escape(typo)}' does not exist"):
+            split_model_and_prompts(typo, ["Yo"])
+    assert split_model_and_prompts("Hi there.", ["Yo"]) == (None, ["Hi there.", "Yo"])  # not path-like: a prompt
     assert split_model_and_prompts("demo-hybrid", ["Yo"]) == ("demo-hybrid", ["Yo"])  # a built-in model's name
     assert split_model_and_prompts(None, ["demo"]) == (None, ["demo"])  # alone, a prompt
 

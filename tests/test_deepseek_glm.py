@@ -16,6 +16,7 @@ from parity import LogitsRecorder, check_all, greedy_params
 from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 
+from moestream.models.hf_config import model_config_from_hf, model_config_from_dict
 from moestream import LLM, ModelConfig, SamplingParams
 from moestream.config import RouterConfig
 from moestream.layers.router import TopKRouter
@@ -72,7 +73,7 @@ def test_parity_chunked_prefill_under_preemption(name: str, checkpoints, referen
     d = _dir(checkpoints, tmp_path_factory, name)
     references[name] = ref = references.get(name) or HFReference(d)
     prompts = parity_prompts()
-    cfg = ModelConfig.from_hf(d)
+    cfg = model_config_from_hf(d)
     heads, k_dim, v_dim = cfg.kv_cache_dims
     block = len(cfg.attention_layers) * heads * (k_dim + v_dim) * 4 * 16  # float32 bytes of one 16-token block
     llm = LLM(d, dtype="float32", max_model_len=80, max_num_batched_tokens=10, kv_cache_memory_bytes=12 * block)
@@ -87,7 +88,7 @@ def test_parity_chunked_prefill_under_preemption(name: str, checkpoints, referen
 @pytest.mark.parametrize("name", MAIN)
 def test_kv_cache_bytes_per_token(name: str, checkpoints, tmp_path_factory) -> None:
     d = _dir(checkpoints, tmp_path_factory, name)
-    cfg = ModelConfig.from_hf(d)
+    cfg = model_config_from_hf(d)
     for dtype, size in (("float32", 4), ("bfloat16", 2)):
         llm = LLM(d, dtype=dtype, max_model_len=64)
         out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, SamplingParams(temperature=0, max_tokens=4))
@@ -126,7 +127,7 @@ def test_prefix_cache_holds_latents(checkpoints, tmp_path_factory) -> None:
 @pytest.mark.parametrize("name", MAIN)
 def test_paging_bit_exact(name: str, checkpoints, tmp_path_factory) -> None:
     d = _dir(checkpoints, tmp_path_factory, name)
-    cfg = ModelConfig.from_hf(d)
+    cfg = model_config_from_hf(d)
     expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
     prompts = parity_prompts()[:4]
 
@@ -237,7 +238,7 @@ _YARN = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddi
 def test_config_errors(name: str, changes: dict, message: str, checkpoints, tmp_path_factory) -> None:
     d = _dir(checkpoints, tmp_path_factory, name)
     with pytest.raises(ValueError) as err:
-        ModelConfig.from_dict(json.loads(_write_config(d, **changes)), "x/config.json")
+        model_config_from_dict(json.loads(_write_config(d, **changes)), "x/config.json")
     assert message in str(err.value) and "config.json at x/config.json" in str(err.value)
 
 
@@ -294,7 +295,7 @@ def test_fused_expert_tensors_load_in_place(which: str, qwen3_moe_dir: str, chec
     resident and paged (the paged store reads each expert's slice of the fused tensor)."""
     src = qwen3_moe_dir if which == "qwen3_moe" else _dir(checkpoints, tmp_path_factory, which)
     dst = str(tmp_path / "fused")
-    assert _fuse_experts(src, dst) == sum(ModelConfig.from_hf(src).moe_layers)
+    assert _fuse_experts(src, dst) == sum(model_config_from_hf(src).moe_layers)
     prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:3]]
     params = SamplingParams(temperature=0, max_tokens=8)
 

@@ -11,6 +11,7 @@ import torch
 from conftest import parity_prompts
 from parity import LogitsRecorder
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig, SamplingParams
 
 MAX_TOKENS = 12
@@ -28,7 +29,7 @@ def run(model_dir: str, **kw) -> tuple[list[list[int]], list[list[torch.Tensor]]
 
 
 def expert_bytes(model_dir: str) -> int:
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = model_config_from_hf(model_dir)
     return 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
 
 
@@ -52,7 +53,7 @@ PREFETCH = ["none", "gate", "history"]
     ("25%", "next_use", "gate", True),  # a host cache holding every expert: misses computed in place
 ])
 def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: str, prefetch: str, host: bool) -> None:
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = model_config_from_hf(model_dir)
     value = {"50%": 0.5, "25%": 0.25, "min": cfg.num_experts_per_tok * expert_bytes(model_dir)}[budget]
     host_bytes = cfg.num_experts * sum(cfg.moe_layers) * expert_bytes(model_dir) if host else 0
     tokens, logits, llm = run(model_dir, expert_budget=value, expert_policy=policy, expert_prefetch=prefetch,

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig
 from moestream.experts.interface import ExpertWeights
 from moestream.experts.policy import LRUPolicy, make_policy
@@ -24,7 +25,7 @@ from moestream.loader import CheckpointReader, expert_locations
 
 @pytest.fixture(scope="module")
 def qwen_cfg(qwen3_moe_dir: str) -> ModelConfig:
-    return ModelConfig.from_hf(qwen3_moe_dir)
+    return model_config_from_hf(qwen3_moe_dir)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,7 @@ def test_pin_profile_validation(qwen3_moe_dir: str, tmp_path) -> None:
     eb = 3 * 32 * 64 * 4
     llm = LLM(qwen3_moe_dir, dtype="float32", expert_budget=3 * eb, expert_pin_profile=_profile(tmp_path, {"0": [1, 1, 1]}))
     assert llm.expert_stats()["num_slots"] == 3 and (0, 1) in llm.llm_engine.expert_store.pinned
-    cfg = ModelConfig.from_hf(qwen3_moe_dir)
+    cfg = model_config_from_hf(qwen3_moe_dir)
     for bad in ({"0": "12"}, {"0": [1.7]}, {"0": [True]}, [1, 2], {"x": [1]}):  # checked as the engine does
         with pytest.raises(ValueError, match="pin profile"):
             load_pin_profile(_profile(tmp_path, bad), cfg)

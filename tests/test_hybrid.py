@@ -13,6 +13,7 @@ from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 from tiny_checkpoint import make_tiny_checkpoint
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig, SamplingParams
 from moestream.engine.kv_cache import kv_block_bytes
 
@@ -71,7 +72,7 @@ def test_chunked_prefill_equals_single_shot(qwen3_next_dir: str, budget: int) ->
 
 
 def test_kv_cache_only_for_full_attention_layers(qwen3_next_dir: str) -> None:
-    mc = ModelConfig.from_hf(qwen3_next_dir)
+    mc = model_config_from_hf(qwen3_next_dir)
     assert mc.linear_layers == [0, 1, 2] and mc.attention_layers == [3]
     llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=1 << 20)
     runner = llm.llm_engine.runner

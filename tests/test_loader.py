@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moestream.models.hf_config import model_config_from_hf, model_config_from_dict
 from moestream import LLM, ModelConfig, SamplingParams
 from moestream.config import resolve_dtype
 
@@ -23,7 +24,7 @@ def copy_ckpt(src: str, dst: str) -> str:
 def test_unknown_model_type_lists_supported(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'; supported: qwen3_moe, mixtral"):
-        ModelConfig.from_hf(str(tmp_path))
+        model_config_from_hf(str(tmp_path))
 
 
 def test_unsupported_rope_type(qwen3_moe_dir: str, tmp_path) -> None:
@@ -32,17 +33,17 @@ def test_unsupported_rope_type(qwen3_moe_dir: str, tmp_path) -> None:
     cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(ValueError, match="unsupported rope type 'longrope'"):
-        ModelConfig.from_hf(d)
+        model_config_from_hf(d)
 
 
 def test_config_normalisation(qwen3_moe_dir: str, mixtral_dir: str) -> None:
-    q = ModelConfig.from_hf(qwen3_moe_dir)
+    q = model_config_from_hf(qwen3_moe_dir)
     assert (q.num_experts, q.num_experts_per_tok, q.head_dim, q.qk_norm, q.norm_topk_prob) == (8, 2, 16, True, True)
     assert q.moe_layers == (True, False, True)  # mlp_only_layers=[1]
-    m = ModelConfig.from_hf(mixtral_dir)
+    m = model_config_from_hf(mixtral_dir)
     assert (m.num_experts, m.moe_intermediate_size, m.head_dim, m.qk_norm, m.sliding_window) == (8, 48, 16, False, 24)
     # v4-style rope keys are read as well as v5's rope_parameters
-    legacy = ModelConfig.from_dict({**_raw(qwen3_moe_dir), "rope_parameters": None, "rope_theta": 5e5,
+    legacy = model_config_from_dict({**_raw(qwen3_moe_dir), "rope_parameters": None, "rope_theta": 5e5,
                                     "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert legacy.rope.rope_type == "linear" and legacy.rope.theta == 5e5 and legacy.rope.get("factor") == 2.0
 

@@ -197,7 +197,7 @@ def test_text_prefix_hits_as_on_text_checkpoint(vl_dir: str, vl_llm: LLM) -> Non
 
 def test_mrope_positions_equal_hf_get_rope_index(vl_llm: LLM, hf_vl: HFMultimodalReference) -> None:
     for prompt, images in CASES[:3]:
-        _, _, mm = vl_llm.llm_engine.tokenize_prompt(_mm_prompt(prompt, images))
+        mm = vl_llm.llm_engine.process_prompt(_mm_prompt(prompt, images)).mm_inputs
         inputs = hf_vl.inputs(prompt, images)
         pos, delta = hf_vl.model.model.get_rope_index(
             inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"])
@@ -211,7 +211,8 @@ def test_pixel_values_equal_hf_image_processor(vl_llm: LLM, hf_vl: HFMultimodalR
     resize of a large and a grey image."""
     images = [random_image(5, 200, 90), random_image(6, 9, 9).convert("L"), IMAGES[0]]
     prompt = "".join(IMAGE for _ in images)
-    _, ids, mm = vl_llm.llm_engine.tokenize_prompt(_mm_prompt(prompt, images))
+    processed = vl_llm.llm_engine.process_prompt(_mm_prompt(prompt, images))
+    ids, mm = processed.prompt_token_ids, processed.mm_inputs
     ref = hf_vl.image_processor(images=[im.convert("RGB") for im in images], return_tensors="pt")
     assert [list(x.grid_thw) for x in mm.items] == ref["image_grid_thw"].tolist()
     assert torch.equal(torch.cat([x.pixel_values for x in mm.items]), ref["pixel_values"])
@@ -266,7 +267,7 @@ VIDEO_CASE = (f"Watch {VIDEO} and then look at {IMAGE}: what happens?", {"video"
 
 def _hf_video_inputs(llm: LLM, prompt: str, data: dict) -> list[tuple]:
     """The (frames, fps, pixel rows, grid) HF's reference needs, pixels from moestream."""
-    _, _, mm = llm.llm_engine.tokenize_prompt({"prompt": prompt, "multi_modal_data": data})
+    mm = llm.llm_engine.process_prompt({"prompt": prompt, "multi_modal_data": data}).mm_inputs
     groups = [x for x in mm.items if x.modality == "video"]
     frames, meta = data["video"][0]
     return [(frames, meta["fps"], torch.cat([x.pixel_values for x in groups]),
@@ -294,7 +295,7 @@ def test_video_and_image_match_hf(vl_dir: str, vl_llm: LLM, hf_vl: HFMultimodalR
     pos, delta = hf_vl.model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
                                                  image_grid_thw=inputs["image_grid_thw"],
                                                  video_grid_thw=inputs["video_grid_thw"])
-    _, _, mm = llm.llm_engine.tokenize_prompt({"prompt": prompt, "multi_modal_data": data})
+    mm = llm.llm_engine.process_prompt({"prompt": prompt, "multi_modal_data": data}).mm_inputs
     assert torch.equal(mm.mrope_positions, pos[:, 0]) and mm.mrope_delta == int(delta[0, 0])
 
 

@@ -8,6 +8,7 @@ import torch
 from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig
 from moestream.engine.kv_cache import kv_block_bytes
 
@@ -47,7 +48,7 @@ def test_requests_added_mid_decode(model_dir: str, hf_reference: HFReference) ->
 
 def test_preemption(model_dir: str, hf_reference: HFReference) -> None:
     prompts = parity_prompts()
-    mc = ModelConfig.from_hf(model_dir)
+    mc = model_config_from_hf(model_dir)
     block = kv_block_bytes(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
     # 80 tokens need 5 blocks; 8 requests of up to 72 tokens need ~30. 12 blocks force preemption.
     llm = LLM(model_dir, dtype="float32", max_model_len=80, kv_cache_memory_bytes=12 * block)

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from moestream.models.hf_config import model_config_from_dict
 from moestream.config import ModelConfig
 from moestream.layers.rotary import rope_inv_freq
 
@@ -22,7 +23,7 @@ def test_inv_freq_matches_hf(kind: str) -> None:
     hf = AutoConfig.for_model("qwen3_moe", hidden_size=128, num_attention_heads=4, head_dim=32,
                               max_position_embeddings=4096, rope_parameters=params)
     ref, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
-    ours = ModelConfig.from_dict(hf.to_dict())
+    ours = model_config_from_dict(hf.to_dict())
     assert ours.rope.rope_type == kind
     inv, scale = rope_inv_freq(ours.rope, 32, 4096)
     torch.testing.assert_close(inv, ref.float(), rtol=1e-6, atol=0)

@@ -18,7 +18,8 @@ from moestream.server.cli import build_parser
 from moestream.server.serving import ServerConfig, default_engine_threads
 
 
-def test_default_engine_threads_leaves_a_core_for_the_event_loop() -> None:
+def test_default_engine_threads_leaves_a_core_for_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine (load: tests/test_threads.py)
     cores = len(os.sched_getaffinity(0))
     assert default_engine_threads("cpu") == max(1, cores - 1)
     assert default_engine_threads("cuda:0") is None  # torch's default on an accelerator

@@ -171,7 +171,8 @@ def test_exact_with_prefix_hits_expert_paging_and_preemption(qwen3_moe_dir: str)
 
 
 def test_cli_flag() -> None:
-    from moestream.server.cli import build_parser, engine_kwargs
+    from moestream.engine.args import engine_kwargs
+    from moestream.server.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
@@ -314,8 +315,8 @@ def test_adaptive_k_stops_drafting_what_is_never_accepted(qwen3_moe_dir: str, ca
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.llm_engine
     engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, n: 0, engine.model_config.vocab_size)
-    engine.adaptive.cost.record = lambda num_tokens, seconds: None  # no timing: the prior cost ratio throughout
-    with caplog.at_level(logging.INFO, logger="moestream.engine.llm_engine"):
+    engine.speculator.adaptive.cost.record = lambda num_tokens, seconds: None  # no timing: the prior cost ratio throughout
+    with caplog.at_level(logging.INFO, logger="moestream.spec_decode.speculator"):
         out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
     assert out.token_ids == ref
     stats = llm.spec_decode_stats()
@@ -333,7 +334,7 @@ def test_adaptive_k_drafts_again_once_drafts_match(qwen3_moe_dir: str) -> None:
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.llm_engine
     engine.proposer = ScriptedProposer([(prompt, ref)], lambda i, n: 0 if n < 12 else 3, engine.model_config.vocab_size)
-    engine.adaptive.cost.record = lambda num_tokens, seconds: None  # no timing: the prior cost ratio throughout
+    engine.speculator.adaptive.cost.record = lambda num_tokens, seconds: None  # no timing: the prior cost ratio throughout
     rid = engine.add_request({"prompt_token_ids": prompt}, params)
     ks = []
     while engine.has_unfinished_requests():

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig, SamplingParams
 from moestream.experts.policy import (
     POLICY_NAMES,
@@ -261,7 +262,7 @@ def test_hybrid_recording_with_fewer_state_slots_than_requests(hybrid_dir: str, 
     assert got == want
     llm.llm_engine.save_routing_trace()
     trace = RoutingTrace.load(path)
-    mcfg = ModelConfig.from_hf(hybrid_dir)
+    mcfg = model_config_from_hf(hybrid_dir)
     moe_layers = [i for i, m in enumerate(mcfg.moe_layers) if m]
     # Computed tokens: the prompt and every output token but the last (sampled, never fed back).
     computed = [len(p) + len(o) - 1 for p, o in zip(prompts, got)]

@@ -6,6 +6,7 @@ engine thread (on its own copy of the tokenizer): a huge prompt never stalls a s
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
 
     from moestream.multimodal.inputs import MultiModalInputs
     from moestream.multimodal.processor import MultiModalProcessor
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Sequence[int] | dict
 
@@ -38,7 +41,8 @@ class InputProcessor:
     Args:
         tokenizer: encodes text prompts (its `encode`).
         vocab_size: token ids must be in [0, vocab_size).
-        max_model_len: a prompt must leave room for one output token (tokens).
+        max_model_len: a prompt must leave room for one output token (tokens); prompt and
+            output together stop there (`check_max_tokens`).
         mm_processor: a multimodal checkpoint's image processor (None: prompts with
             `multi_modal_data` are refused).
     """
@@ -50,6 +54,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_token_chars = max_token_chars(tokenizer)
+        self._warned_max_tokens = False  # check_max_tokens(strict=False) warns once per processor
 
     def _check_length(self, num_tokens: int, what: str) -> None:
         if num_tokens >= self.max_model_len:
@@ -57,6 +62,37 @@ class InputProcessor:
                 f"the prompt is {what} but max_model_len is {self.max_model_len}; it must be at most "
                 f"{self.max_model_len - 1} tokens to leave room for output"
             )
+
+    def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, *, strict: bool) -> int:
+        """The most output tokens a request of `num_prompt_tokens` prompt tokens produces when it
+        asks for `max_tokens` (None: unset): max_tokens, or `max_model_len - num_prompt_tokens`
+        when that is fewer (the output stops at max_model_len, finish_reason "length").
+
+        Asking for more than fits is, with `strict` (the server, as vLLM's), an error in
+        vLLM's wording; without (the offline `LLM`, as vLLM's), the output is cut at
+        max_model_len and the first such request of this processor logs a warning. An unset
+        max_tokens is never an error: the output runs until max_model_len.
+
+        Raises:
+            ValueError: `strict` and `max_tokens` is more than max_model_len leaves after the prompt.
+        """
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None or max_tokens <= room:
+            return room if max_tokens is None else max_tokens
+        if strict:
+            raise ValueError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {num_prompt_tokens}). Ask for at most {room} output tokens "
+                "or shorten the prompt."
+            )
+        if not self._warned_max_tokens:
+            self._warned_max_tokens = True
+            logger.warning(
+                "max_tokens=%d is more than max_model_len=%d leaves after a prompt of %d tokens: the output is cut at "
+                "%d tokens (finish_reason 'length'). Requests like it are cut the same way without another warning; "
+                "raise max_model_len or lower max_tokens", max_tokens, self.max_model_len, num_prompt_tokens, room)
+        return room
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; a text too long to fit is refused before it is tokenized.

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+def slot_of(table: list[int], pos: int, block_size: int) -> int:
+    """Slot mapping of token position `pos` in a sequence with block table `table`: the
+    flat KV cache slot (block id * block_size + offset in the block) its KV is written to."""
+    return table[pos // block_size] * block_size + pos % block_size
+
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                    v_head_dim: int | None = None) -> int:

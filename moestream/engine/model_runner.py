@@ -6,7 +6,9 @@ all their tokens this step (those sample a token)."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from moestream.engine.kv_cache import slot_of
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.request import Request
 from moestream.engine.scheduler import SchedulerOutput
@@ -16,7 +18,8 @@ from moestream.layers.attention_backend import AttentionMetadata
 from moestream.layers.gated_delta_net import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.multimodal.vision import VisionEncoder
-from moestream.spec_decode.mtp import MTPLayer
+
+
 
 
 class ModelRunner:
@@ -50,7 +53,7 @@ class ModelRunner:
         device: torch.device,
         state_pool: StatePool | None = None,
         recorder: RoutingRecorder | None = None,
-        mtp: MTPLayer | None = None,
+        mtp: nn.Module | None = None,
         vision: VisionEncoder | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
@@ -69,10 +72,10 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = kv_caches[: len(cfg.attention_layers)]
         self.mtp = mtp  # speculative method "mtp": the checkpoint's MTP layer, with its own KV cache
         self.mtp_kv = kv_caches[len(cfg.attention_layers)] if mtp is not None else None
-        self._last_hidden: torch.Tensor | None = None
-        self._last_rows: dict[str, tuple[int, int]] = {}
+        self.last_hidden: torch.Tensor | None = None
+        self.last_rows: dict[str, tuple[int, int]] = {}
 
-    def _attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
+    def attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
                             slots: list[int]) -> AttentionMetadata:
         """Attention metadata of a flat batch: request i owns rows [qsl[i], qsl[i+1]), sees
         seq_lens[i] tokens through block table tables[i]; row r's KV goes to slots[r]."""
@@ -88,7 +91,7 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def _rope_positions(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+    def rope_positions(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """Rotary positions of a flat batch whose rows are, in order, the token indices
         [start, end) of each (request, start, end): [T] int64, or [3, T] (M-RoPE) when a
         multimodal request has prompt tokens among them."""
@@ -173,7 +176,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = coordinator.block_table(req.request_id)
             bs = self.block_size
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(slot_of(table, p, bs) for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -182,7 +185,7 @@ class ModelRunner:
                 num_rows.append(1 + len(draft))
                 samplers.append(req)
         dev = self.device
-        meta = self._attention_metadata(qsl, seq_lens, tables, slots)
+        meta = self.attention_metadata(qsl, seq_lens, tables, slots)
         state_caches, state_meta = None, None
         if self.state_pool is not None:
             plan = sched.states
@@ -192,7 +195,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)  # [T]
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
         if any(r.mm_inputs is not None for r, _ in scheduled):
-            pos = self._rope_positions(spans)  # [T] or [3, T]
+            pos = self.rope_positions(spans)  # [T] or [3, T]
         else:  # text only: the token positions themselves
             pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
         if self.recorder is not None:
@@ -200,109 +203,9 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,
                             inputs_embeds=self._inputs_embeds(ids, spans))  # [T, H]
         if self.mtp is not None:  # the MTP pass reads every row's hidden state after the update
-            self._last_hidden = hidden
-            self._last_rows = {r.request_id: (r.num_computed_tokens, qsl[i]) for i, (r, _) in enumerate(scheduled)}
+            self.last_hidden = hidden
+            self.last_rows = {r.request_id: (r.num_computed_tokens, qsl[i]) for i, (r, _) in enumerate(scheduled)}
         if not samplers:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
         return samplers, self.model.compute_logits(hidden[rows]), num_rows  # [sum(num_rows), V]
-
-    @torch.inference_mode()
-    def draft(self, requests: list[Request], lengths: list[int], coordinator: KVCacheCoordinator) -> list[list[int]]:
-        """Greedy drafts with the experts already on the device (`draft_experts`): up to
-        lengths[i] tokens after request i's last token, one token per forward for all the
-        requests still drafting. Each forward writes KV at the positions the verify step
-        computes again (it overwrites them); on a hybrid model the drafts advance a copy of
-        the request's state in its last speculative row, never the state itself. The caller
-        has allocated blocks for every drafted position and made the states resident.
-
-        Returns: the drafts, lengths[i] token ids each (greedy: one point-mass proposal per
-        position, verified by the target's own samples).
-        """
-        dev, bs = self.device, self.block_size
-        pool = self.state_pool
-        rows: list[int] = []
-        if pool is not None:
-            for req in requests:
-                slot = pool.slot_of(req.request_id)
-                rows.append(pool.spec_row(slot, pool.num_spec_rows - 1))
-                pool.copy_row(slot, rows[-1])
-        drafts: list[list[int]] = [[] for _ in requests]
-        for j in range(max(lengths, default=0)):
-            live = [i for i, n in enumerate(lengths) if n > j]
-            ids, positions, slots, tables = [], [], [], []
-            for i in live:
-                req = requests[i]
-                pos = req.num_tokens - 1 + j
-                ids.append(drafts[i][-1] if j else req.token_ids[-1])
-                positions.append(pos)
-                table = coordinator.block_table(req.request_id)
-                slots.append(table[pos // bs] * bs + pos % bs)
-                tables.append(table)
-            qsl = list(range(len(live) + 1))
-            meta = self._attention_metadata(qsl, [p + 1 for p in positions], tables, slots)
-            state_caches, state_meta = None, None
-            if pool is not None:
-                live_rows = [rows[i] for i in live]
-                state_caches = pool.caches()
-                state_meta = StateMetadata(qsl, live_rows, torch.tensor(live_rows, dtype=torch.int64, device=dev))
-            rope = self._rope_positions([(requests[i], p, p + 1) for i, p in zip(live, positions)])
-            hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), rope, self.kv_caches, meta,
-                                state_caches, state_meta, resident_only=True)  # [n, H]
-            for i, t in zip(live, self.model.compute_logits(hidden).argmax(-1).tolist()):
-                drafts[i].append(t)
-        return drafts
-
-    @torch.inference_mode()
-    def mtp_draft(self, requests: list[Request], lengths: list[int], coordinator: KVCacheCoordinator
-                  ) -> list[list[int]]:
-        """The MTP pass after a step's update (`spec_decode.mtp`). For each of `requests` (run
-        in the last `execute`, not finished), one MTP row per position p it verified there:
-        target hidden h_p with token x_{p+1}, at position p, into the MTP layer's KV. Then
-        greedy drafts: lengths[i] tokens for request i, the first from its last row, each next
-        one from the previous draft and the MTP output (one row per forward, KV at the next
-        position: the caller allocated blocks through num_tokens + lengths[i] - 2).
-
-        Returns: the drafts, lengths[i] token ids each.
-        """
-        dev, bs = self.device, self.block_size
-        embed = self.model.model.embed_tokens
-        rows, ids, slots, tables, qsl, seq_lens, spans = [], [], [], [], [0], [], []
-        last_row: dict[int, int] = {}  # request index -> its last row in the MTP batch
-        for i, req in enumerate(requests):
-            start, row0 = self._last_rows[req.request_id]
-            valid = range(start, req.num_computed_tokens)  # positions verified this step
-            if not valid:
-                continue
-            table = coordinator.block_table(req.request_id)
-            rows.extend(row0 + p - start for p in valid)
-            ids.extend(req.token_ids[p + 1] for p in valid)
-            spans.append((req, valid.start, valid.stop))
-            slots.extend(table[p // bs] * bs + p % bs for p in valid)
-            tables.append(table)
-            qsl.append(qsl[-1] + len(valid))
-            seq_lens.append(req.num_computed_tokens)
-            last_row[i] = qsl[-1] - 1
-        if not rows:
-            return [[] for _ in requests]
-        hidden = self._last_hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]  # [n, H]
-        out = self.mtp(embed(torch.tensor(ids, dtype=torch.int64, device=dev)), hidden,
-                       self._rope_positions(spans), self.mtp_kv,
-                       self._attention_metadata(qsl, seq_lens, tables, slots))  # [n, H]
-        live = [i for i, n in enumerate(lengths) if n > 0 and i in last_row]
-        drafts: list[list[int]] = [[] for _ in requests]
-        last = out[[last_row[i] for i in live]]  # [m, H] each drafting request's last row
-        for j in range(max((lengths[i] for i in live), default=0)):
-            for i, t in zip(live, self.model.compute_logits(last).argmax(-1).tolist()):
-                drafts[i].append(t)
-            keep = [n for n, i in enumerate(live) if lengths[i] > j + 1]
-            live, last = [live[n] for n in keep], last[keep]
-            if not live:
-                break
-            pos = [requests[i].num_computed_tokens + j for i in live]  # the draft's own position
-            tabs = [coordinator.block_table(requests[i].request_id) for i in live]
-            last = self.mtp(embed(torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64, device=dev)), last,
-                            self._rope_positions([(requests[i], p, p + 1) for i, p in zip(live, pos)]), self.mtp_kv,
-                            self._attention_metadata(list(range(len(live) + 1)), [p + 1 for p in pos], tabs,
-                                                     [t[p // bs] * bs + p % bs for t, p in zip(tabs, pos)]))
-        return drafts

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
+from moestream.engine.detokenizer import IncrementalDetokenizer
+from moestream.multimodal.inputs import MultiModalInputs
 from moestream.sampling_params import SamplingParams
+from moestream.spec_decode.adaptive import DraftState
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +29,17 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt validated and tokenized once (`InputProcessor.process`), on any path
+    (offline, server, Ray): its text (None for token ids), its token ids (multimodal
+    placeholders expanded) and its multimodal inputs (None for text only)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    mm_inputs: MultiModalInputs | None = None
 
 
 @dataclass(eq=False)
@@ -67,11 +79,11 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in its next step
-    draft_state: Any = None  # spec_decode.adaptive.DraftState, set by the engine
+    draft_state: DraftState | None = None  # set by the speculator (adaptive k)
     num_preemptions: int = 0
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
-    detokenizer: Any = None  # IncrementalDetokenizer, set by the engine
-    mm_inputs: Any = None  # multimodal.inputs.MultiModalInputs of a prompt with images
+    detokenizer: IncrementalDetokenizer | None = None  # set by the engine
+    mm_inputs: MultiModalInputs | None = None  # a prompt with images
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -141,3 +141,21 @@ class Scheduler:
         self.coordinator.free(req)
         if not self.waiting:  # KV demand fell: elastic memory gives borrowed pages back
             self.coordinator.release_kv(reserve_blocks=len(self.running))
+
+    def update_from_output(self, sched: SchedulerOutput, samplers: list[Request],
+                           finished: dict[int, RequestStatus]) -> list[Request]:
+        """The step's update (vLLM v1's `update_from_output`): each scheduled request's
+        progress, the coordinator's commit of the step's blocks and states, and the finish
+        of `finished` ({index in samplers: status}). A request that sampled has computed all
+        its tokens but the last one sampled (the KV of rejected draft positions is left to be
+        overwritten); its drafts are spent. Returns the requests finished, in samplers' order."""
+        sampled = {id(r) for r in samplers}
+        for req, n in sched.scheduled:
+            req.num_computed_tokens = req.num_tokens - 1 if id(req) in sampled else req.num_computed_tokens + n
+            req.spec_token_ids = []
+        self.coordinator.commit(sched.scheduled)
+        done = []
+        for i in sorted(finished):
+            self.finish_request(samplers[i], finished[i])
+            done.append(samplers[i])
+        return done

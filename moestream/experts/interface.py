@@ -10,9 +10,12 @@ host cache <- disk).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import torch
+if TYPE_CHECKING:  # the command line's parser reads the policy names through this module, without torch
+    import torch
+
+ExpertKey = tuple[int, int]  # (layer, expert): one routed expert of one MoE layer, in every tier
 
 
 class ExpertWeights(NamedTuple):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-ExpertKey = tuple[int, int]  # (layer, expert)
+from moestream.experts.interface import ExpertKey
 
 _RENORM = 1e100  # inflated increments are folded back into the scores past this size
 _MISSING = object()
@@ -80,7 +80,7 @@ def heap_victim(policy: EvictionPolicy, heap: LazyHeap, candidates: Collection[E
 
 
 class EvictionPolicy:
-    """Base class. Hooks are called by the store (and by `trace.simulate`), in this order per
+    """Base class. Hooks are called by the store (and by `trace_sim.simulate`), in this order per
     MoE layer call: `on_route` once, then per requested expert `on_access`, and for a miss
     `victim` -> `on_evict` (when the pool is full) -> `on_insert`. All hooks default to no-ops."""
 

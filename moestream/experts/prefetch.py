@@ -8,9 +8,10 @@ the router, and the predictors that feed it.
   learnt online from the router's choices; after layer l routes, the experts of layer l+1
   most often chosen together with layer l's experts are hinted.
 
-The worker holds only a weak reference to the store, so dropping the engine stops it.
-Demand loads go first: `ensure` holds the store lock while it loads, and a hint for a
-layer that `ensure` has reached is dropped.
+The worker knows nothing of the store: it is given the queue and a bound method that loads
+one key (`PagedExpertStore.prefetch_one`), and holds that method weakly, so dropping the
+store stops it. Demand loads go first: `ensure` holds the queue's lock while it loads, and
+a hint for a layer that `ensure` has reached is dropped.
 """
 
 from __future__ import annotations
@@ -19,20 +20,18 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from moestream.experts.interface import ExpertKey
+
 logger = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
-    from moestream.experts.store import PagedExpertStore
-
-ExpertKey = tuple[int, int]
 
 
 class PrefetchQueue:
-    """Keys waiting to be prefetched, with the lock and condition the store shares."""
+    """Keys waiting to be prefetched, with the lock and condition its owner shares (the
+    paging store guards its own state with them, so the worker and demand loads take turns)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -57,15 +56,21 @@ class PrefetchQueue:
             self.queued = set(kept)
 
 
-def start_prefetch_worker(store: PagedExpertStore, queue: PrefetchQueue) -> threading.Thread:
-    """Start a daemon thread that runs `store.prefetch_one(key)` for queued keys."""
-    ref = weakref.ref(store)
+def start_prefetch_worker(load: Callable[[ExpertKey], None], queue: PrefetchQueue) -> threading.Thread:
+    """Start a daemon thread that runs `load(key)` for queued keys. `load` is a bound method
+    (the store's `prefetch_one`); the thread holds it weakly (`weakref.WeakMethod`) and ends
+    once its object is gone or the queue is closed.
+
+    Raises:
+        TypeError: `load` is not a bound method.
+    """
+    ref = weakref.WeakMethod(load)
     thread = threading.Thread(target=_worker, args=(ref, queue), name="moestream-prefetch", daemon=True)
     thread.start()
     return thread
 
 
-def _worker(ref: weakref.ref, queue: PrefetchQueue) -> None:
+def _worker(ref: weakref.WeakMethod, queue: PrefetchQueue) -> None:
     while True:
         with queue.lock:
             while not queue.keys and not queue.closed:
@@ -76,14 +81,14 @@ def _worker(ref: weakref.ref, queue: PrefetchQueue) -> None:
                 return
             key = queue.keys.popleft()
             queue.queued.discard(key)
-        store = ref()
-        if store is None:
+        load = ref()
+        if load is None:
             return
         try:
-            store.prefetch_one(key)
+            load(key)
         except Exception:  # never let the worker die silently: demand loads still work without it
             logger.exception("expert prefetch worker: loading %s failed", key)
-        del store
+        del load
 
 
 class HistoryPredictor:

@@ -19,7 +19,7 @@ from collections.abc import Set as AbstractSet
 import torch
 
 from moestream.config import ModelConfig
-from moestream.experts.interface import ExpertWeights
+from moestream.experts.interface import ExpertKey, ExpertWeights
 from moestream.experts.metrics import ExpertStats
 from moestream.experts.policy import EvictionPolicy
 from moestream.experts.prefetch import (
@@ -27,7 +27,7 @@ from moestream.experts.prefetch import (
     PrefetchQueue,
     start_prefetch_worker,
 )
-from moestream.experts.tiers import DiskTier, ExpertKey, HostCache, TensorLocation
+from moestream.experts.tiers import DiskTier, HostCache, TensorLocation
 from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class PagedExpertStore:
         self._history = HistoryPredictor(moe_layers, num_experts, width=2 * top_k) if prefetch == "history" else None
         for key in pinned:
             self._load_into(self._claim_slot(key[0]), key)
-        self._thread = start_prefetch_worker(self, self._queue) if prefetch != "none" else None
+        self._thread = start_prefetch_worker(self.prefetch_one, self._queue) if prefetch != "none" else None
 
     # ---- the interface used by SparseMoE --------------------------------------------
 

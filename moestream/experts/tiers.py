@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.experts.interface import ExpertWeights
-
-ExpertKey = tuple[int, int]  # (layer, expert)
+from moestream.experts.interface import ExpertKey, ExpertWeights
 
 # safetensors dtype names -> torch. Non-float ones are parsed so that the loader can name them when it refuses them.
 _ST_DTYPES: dict[str, torch.dtype] = {

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moestream.experts.policy import POLICY_NAMES, EvictionPolicy, ExpertKey, LazyHeap, heap_victim, make_policy
+from moestream.experts.interface import ExpertKey
+from moestream.experts.policy import POLICY_NAMES, EvictionPolicy, LazyHeap, heap_victim, make_policy
 from moestream.experts.trace import RoutingTrace
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from moestream.config import RouterConfig
 from moestream.layers.activation import sigmoid
 from moestream.experts.interface import ExpertStore
-from moestream.layers.expert_executor import ExpertExecutor, PagedExpertExecutor, expert_swiglu, make_expert_executor
+from moestream.layers.expert_executor import ExpertExecutor, PagedExpertExecutor, make_expert_executor
 from moestream.layers.linear import Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.router import TopKRouter
@@ -52,7 +52,6 @@ class SparseMoE(nn.Module):
             self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
-        self.store = store
         self.experts: ExpertExecutor = make_expert_executor(store, layer_idx, num_experts)
 
     def set_lookahead(self, next_layer: int, router: TopKRouter) -> None:
@@ -74,48 +73,7 @@ class SparseMoE(nn.Module):
             return routed + sigmoid(gate, invariant=self.shared_expert_gate.row_tile > 0) * self.shared_expert(x)
         return routed
 
-    def forward(self, x: torch.Tensor, resident_only: bool = False) -> torch.Tensor:
-        """x [T, H] -> [T, H]. `resident_only` (a `draft_experts` draft pass): route only to
-        experts already on the device, loading nothing (`_forward_resident`)."""
-        if resident_only:
-            return self._forward_resident(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]: route, then the executor computes the chosen experts."""
         weights, ids = self.route(x)  # [T, k] each
         return self._shared(x, self.experts.forward(x, weights, ids).to(x.dtype))
-
-    def _forward_resident(self, x: torch.Tensor) -> torch.Tensor:
-        """The draft pass of self-speculation with resident experts (DraftExpert, arXiv
-        2607.24434): the router's top-k is taken among the experts on the device now and
-        renormalised to the mass the unrestricted top-k had, so a draft never waits for a
-        load. The unrestricted choice is handed to the prefetcher: the verify pass will
-        need those experts, and it is given to the eviction policy as a retention hint.
-        Nothing is counted as a hit or miss, and the policy sees no access for the draft."""
-        router = self.gate
-        scores = router.scores(x)  # [T, E]
-        choice = router.choice_scores(scores)  # [T, E]
-        full_ids = router.select(choice)  # [T, k] what the full model picks
-        full_w = router.weigh(scores, full_ids)  # [T, k]
-        view = self.store.resident_view(self.layer_idx)
-        resident = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
-        resident[list(view)] = True
-        wanted = set(full_ids.flatten().tolist())
-        self.store.hint(self.layer_idx, sorted(wanted))  # the verify pass routes these again: keep them
-        missing = sorted(wanted - set(view))
-        if missing:
-            self.store.prefetch(self.layer_idx, missing)
-        masked = choice.masked_fill(~resident, float("-inf"))  # [T, E] non-resident experts rank last
-        ids = torch.topk(masked, self.top_k, dim=-1)[1]  # [T, k]
-        weights = scores.gather(1, ids) * resident[ids]  # [T, k]; fewer than k resident: the rest weigh 0
-        if self.norm_topk_prob:  # the mass the unrestricted top-k had
-            total = torch.full_like(full_w[:, :1], router.config.routed_scaling_factor)
-        else:
-            total = full_w.sum(-1, keepdim=True)
-        weights = weights * (total / weights.sum(-1, keepdim=True).clamp_min(1e-20))  # [T, k]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-        for e in torch.unique(ids).tolist():
-            w = view.get(e)
-            if w is None:
-                continue
-            rows, which = (ids == e).nonzero(as_tuple=True)  # [n] token rows, their top-k index
-            y = expert_swiglu(x[rows], w, self.experts.row_tile)  # [n, H]
-            out.index_add_(0, rows, y.float() * weights[rows, which, None])
-        return self._shared(x, out.to(x.dtype))

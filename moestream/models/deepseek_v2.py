@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestream.config import HFConfigFields, MLAConfig, ModelConfig, RopeConfig, RouterConfig
+from moestream.config import MLAConfig, ModelConfig, RopeConfig, RouterConfig
+from moestream.models.config_fields import HFConfigFields
 from moestream.layers.attention_backend import AttentionBackend
 from moestream.layers.mla import MLAttention
 from moestream.layers.rotary import RotaryEmbedding

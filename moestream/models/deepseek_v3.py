@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.config import HFConfigFields, RouterConfig
+from moestream.config import RouterConfig
+from moestream.models.config_fields import HFConfigFields
 from moestream.models.deepseek_v2 import DeepseekV2ForCausalLM, deepseek_fields
 
 

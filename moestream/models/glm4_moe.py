@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.config import HFConfigFields, rope_fields
+from moestream.models.config_fields import HFConfigFields, rope_fields
 from moestream.models.deepseek_v3 import noaux_router
 from moestream.models.moe_decoder import MoEForCausalLM
 

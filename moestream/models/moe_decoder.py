@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from moestream.config import HFConfigFields, ModelConfig
+from moestream.config import ModelConfig
+from moestream.models.config_fields import HFConfigFields
 from moestream.experts.interface import ExpertStore
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
@@ -52,18 +53,15 @@ class DecoderLayer(nn.Module):
         cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         state_meta: StateMetadata | None,
-        resident_only: bool = False,
     ) -> torch.Tensor:
-        """cache: (k, v) for attention layers, (conv_state, ssm_state) for linear ones.
-        `resident_only`: MoE layers use only experts on the device (a draft pass)."""
+        """cache: (k, v) for attention layers, (conv_state, ssm_state) for linear ones."""
         if self.is_linear:
             assert state_meta is not None, "a linear-attention layer needs state metadata"
             x = x + self.linear_attn(self.input_layernorm(x), cache, state_meta)
         else:
             x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, resident_only=True) if resident_only and isinstance(self.mlp, SparseMoE)
-                    else self.mlp(h))
+        return x + self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -174,14 +172,13 @@ class MoEForCausalLM(nn.Module):
         meta: AttentionMetadata,
         state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         state_meta: StateMetadata | None = None,
-        resident_only: bool = False,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
         for layer in self.model.layers:
             cache = next(state_iter) if layer.is_linear else next(kv_iter)
-            x = layer(positions, x, cache, meta, state_meta, resident_only)
+            x = layer(positions, x, cache, meta, state_meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.config import HFConfigFields, MultiModalConfig, rope_fields
+from moestream.config import MultiModalConfig
+from moestream.models.config_fields import HFConfigFields, rope_fields
 from moestream.models.qwen3_next import Qwen3NextForCausalLM, hybrid_fields
 from moestream.validation import is_int
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moestream.config import HFConfigFields, sparse_layers
+from moestream.models.config_fields import HFConfigFields, sparse_layers
 from moestream.models.moe_decoder import MoEForCausalLM
 
 

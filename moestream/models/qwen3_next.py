@@ -9,7 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from moestream.config import HFConfigFields, ModelConfig, rope_fields, sparse_layers
+from moestream.config import ModelConfig
+from moestream.models.config_fields import HFConfigFields, rope_fields, sparse_layers
 from moestream.layers.attention_backend import AttentionBackend
 from moestream.layers.gated_delta_net import GatedDeltaNet
 from moestream.layers.rotary import RotaryEmbedding

@@ -236,19 +236,23 @@ class AsyncLLMEngine:
         self._streams.clear()
 
     async def add(
-        self, items: Sequence[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool = True
+        self, items: Sequence[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool = True, *,
+        requested_max_tokens: int | None = None,
     ) -> RequestStream:
         """Queue engine requests (request id, prompt, params) as one group, all or none.
 
         Prompts are validated and tokenized first, on the tokenizer thread (an over-long text
         is refused before it is tokenized); `add_special_tokens=False` tokenizes str prompts
-        without BOS & co (chat prompts, whose template writes them). Returns the group's
+        without BOS & co (chat prompts, whose template writes them). `requested_max_tokens`:
+        the output tokens the client asked for (None: unset, or a model default); a prompt
+        that leaves fewer under max_model_len is refused (`InputProcessor.check_max_tokens`,
+        strict), where an unset one just stops at max_model_len. Returns the group's
         stream once the engine thread has queued them. If the caller is cancelled meanwhile
         (client gone), whatever was queued is aborted.
 
         Raises:
-            ValueError: a prompt or a parameter the engine rejects (prompt too long, too many
-                logprobs, ...); nothing is queued then.
+            ValueError: a prompt or a parameter the engine rejects (prompt too long, max_tokens
+                beyond max_model_len, too many logprobs, ...); nothing is queued then.
             EngineError: the engine thread is not running.
         """
         if not self.is_running or self._loop is None:
@@ -259,7 +263,8 @@ class AsyncLLMEngine:
         self.num_queued += len(stream.request_ids)
         try:
             loop = asyncio.get_running_loop()
-            prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens)
+            prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens,
+                                                 requested_max_tokens)
             if not self.is_running:
                 raise EngineError("the engine is not running")
         except BaseException:
@@ -281,18 +286,21 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool) -> list[dict]:
+    def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
+                  requested_max_tokens: int | None = None) -> list[dict]:
         """(tokenizer thread) Each item's prompt as {"prompt", "prompt_token_ids", "mm_inputs"}
         (images preprocessed here too, off the engine thread).
 
         Raises:
-            ValueError: a prompt the input processor rejects.
+            ValueError: a prompt the input processor rejects, or one that leaves fewer than
+                `requested_max_tokens` output tokens under max_model_len.
         """
         out: list[dict] = []
         seen: dict[int, dict] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:
             if id(prompt) not in seen:
                 text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
+                self.input_processor.check_max_tokens(len(ids), requested_max_tokens, strict=True)
                 seen[id(prompt)] = {"prompt": text, "prompt_token_ids": ids, "mm_inputs": mm}
             out.append(seen[id(prompt)])
         return out

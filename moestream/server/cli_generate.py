@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from moestream.demo import BUILTIN_MODELS
-from moestream.server.cli import add_engine_args, engine_kwargs, parse_threads, resolve_threads
+from moestream.engine.args import add_engine_args, engine_kwargs
 
 if TYPE_CHECKING:
     from moestream.outputs import CompletionOutput
@@ -87,10 +87,6 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     s.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print the N most likely tokens and their log-probabilities at each generated token, "
                         "after each completion (default: off)")
-    gen.add_argument("--threads", type=parse_threads, default="auto", metavar="N|auto",
-                     help="torch threads (intra-op); auto: on CPU every core available (2 threads beat 1 by "
-                          "1.3-1.6x on an idle 2-core machine; on shared cores give a number); torch's default on "
-                          "an accelerator (default: auto)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
     add_engine_args(gen)
     return gen
@@ -99,10 +95,20 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 def split_model_and_prompts(model_dir: str | None, prompts: list[str]) -> tuple[str | None, list[str]]:
     """(model, prompts) of generate's positional arguments: the first is the model when it
     is an existing directory or a built-in model's name ("demo", "demo-hybrid") and at least
-    one more follows; otherwise all are prompts."""
+    one more follows; otherwise all are prompts.
+
+    Raises:
+        ValueError: the first of several looks like a path (it contains '/' or starts with
+            '.') but is not a directory: a mistyped model directory, not a prompt.
+    """
     positionals = ([] if model_dir is None else [model_dir]) + list(prompts)
-    if len(positionals) > 1 and (os.path.isdir(positionals[0]) or positionals[0] in BUILTIN_MODELS):
-        return positionals[0], positionals[1:]
+    if len(positionals) > 1:
+        first = positionals[0]
+        if os.path.isdir(first) or first in BUILTIN_MODELS:
+            return first, positionals[1:]
+        if ("/" in first or first.startswith(".")) and "\n" not in first:
+            raise ValueError(f"model directory '{first}' does not exist (a first argument that looks like a path "
+                             "names the model); check the path, or give prompts only to use the demo model")
     return None, positionals
 
 
@@ -156,11 +162,10 @@ def run_generate(args: argparse.Namespace) -> int:
         args.model = model
     kwargs = sampling_kwargs(args)
     n = args.n or 1
-    threads = resolve_threads(args.threads, args.device)  # a bad --device fails here, before loading
     from moestream.llm import LLM
 
     choice_params(kwargs, n)  # bad sampling values fail before the model loads
-    llm = LLM(**engine_kwargs(args), threads=threads)
+    llm = LLM(**engine_kwargs(args))
     model_defaults = llm.llm_engine.default_sampling_fields
     from_model = sorted(k for k in model_defaults if k not in kwargs)
     kwargs = {**model_defaults, **kwargs}

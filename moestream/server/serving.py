@@ -186,14 +186,16 @@ class OpenAIServing:
             raise bad_request(e, type(req).model_fields, "prompt") from None
 
     async def submit(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
-                     prompt_param: str, fields: Sequence[str]) -> RequestStream:
-        """Queue the engine requests of one HTTP request, all or none.
+                     prompt_param: str, fields: Sequence[str], max_tokens: int | None = None) -> RequestStream:
+        """Queue the engine requests of one HTTP request, all or none. `max_tokens`: the output
+        tokens the request asked for (None: unset), which every prompt must leave room for.
 
         Raises:
             APIError: 503 when they would exceed the waiting-request limit now; 400 when they
                 are more than the limit (they never could be admitted), or when the engine
-                rejects a prompt or parameter (e.g. a prompt longer than max_model_len); 500
-                when the engine is not running.
+                rejects a prompt or parameter (e.g. a prompt longer than max_model_len, or
+                max_tokens beyond what max_model_len leaves after the prompt); 500 when the
+                engine is not running.
         """
         limit = self.config.max_waiting_requests
         if len(items) > limit:
@@ -205,7 +207,7 @@ class OpenAIServing:
                                 f"their first token and the limit is {limit}; retry later.",
                            type="server_error", code="engine_overloaded")
         try:
-            return await self.engine.add(items, add_special_tokens)
+            return await self.engine.add(items, add_special_tokens, requested_max_tokens=max_tokens)
         except ValueError as e:
             raise bad_request(e, fields, prompt_param) from None
         except EngineError as e:

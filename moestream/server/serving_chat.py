@@ -176,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
         base = random_id("chatcmpl")
         items = [(f"{base}-{i}", prompt, params[i]) for i in range(req.n)]
         # The template writes the special tokens (BOS & co) itself.
-        stream = await self.submit(items, False, "messages", list(type(req).model_fields))
+        stream = await self.submit(items, False, "messages", list(type(req).model_fields), max_tokens)
         return stream, base
 
     async def respond(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> ChatCompletionResponse:

@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
         base = random_id("cmpl")
         items = [(f"{base}-{p * req.n + i}", prompt, params[i]) for p, prompt in enumerate(prompts)
                  for i in range(req.n)]
-        stream = await self.submit(items, True, "prompt", fields)
+        stream = await self.submit(items, True, "prompt", fields, req.max_tokens)
         return stream, base
 
     async def respond(self, req: CompletionRequest, stream: RequestStream, base: str) -> CompletionResponse:

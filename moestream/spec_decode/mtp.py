@@ -24,6 +24,10 @@ import torch
 from torch import nn
 
 from moestream.config import ModelConfig
+from moestream.engine.kv_cache import slot_of
+from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
+from moestream.engine.model_runner import ModelRunner
+from moestream.engine.request import Request
 from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Linear
@@ -93,3 +97,58 @@ def load_mtp(cfg: ModelConfig, reader, dtype: torch.dtype, device: torch.device,
     store.set_layer(layer, gate_up, down)
     mtp.eval()
     return mtp
+
+
+@torch.inference_mode()
+def mtp_draft(runner: ModelRunner, requests: list[Request], lengths: list[int], coordinator: KVCacheCoordinator
+              ) -> list[list[int]]:
+    """The MTP pass after a step's update (`spec_decode.mtp`). For each of `requests` (run
+    in the last `execute`, not finished), one MTP row per position p it verified there:
+    target hidden h_p with token x_{p+1}, at position p, into the MTP layer's KV. Then
+    greedy drafts: lengths[i] tokens for request i, the first from its last row, each next
+    one from the previous draft and the MTP output (one row per forward, KV at the next
+    position: the caller allocated blocks through num_tokens + lengths[i] - 2).
+
+    Returns: the drafts, lengths[i] token ids each.
+    """
+    dev, bs = runner.device, runner.block_size
+    embed = runner.model.model.embed_tokens
+    rows, ids, slots, tables, qsl, seq_lens, spans = [], [], [], [], [0], [], []
+    last_row: dict[int, int] = {}  # request index -> its last row in the MTP batch
+    for i, req in enumerate(requests):
+        start, row0 = runner.last_rows[req.request_id]
+        valid = range(start, req.num_computed_tokens)  # positions verified this step
+        if not valid:
+            continue
+        table = coordinator.block_table(req.request_id)
+        rows.extend(row0 + p - start for p in valid)
+        ids.extend(req.token_ids[p + 1] for p in valid)
+        spans.append((req, valid.start, valid.stop))
+        slots.extend(slot_of(table, p, bs) for p in valid)
+        tables.append(table)
+        qsl.append(qsl[-1] + len(valid))
+        seq_lens.append(req.num_computed_tokens)
+        last_row[i] = qsl[-1] - 1
+    if not rows:
+        return [[] for _ in requests]
+    hidden = runner.last_hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]  # [n, H]
+    out = runner.mtp(embed(torch.tensor(ids, dtype=torch.int64, device=dev)), hidden,
+                   runner.rope_positions(spans), runner.mtp_kv,
+                   runner.attention_metadata(qsl, seq_lens, tables, slots))  # [n, H]
+    live = [i for i, n in enumerate(lengths) if n > 0 and i in last_row]
+    drafts: list[list[int]] = [[] for _ in requests]
+    last = out[[last_row[i] for i in live]]  # [m, H] each drafting request's last row
+    for j in range(max((lengths[i] for i in live), default=0)):
+        for i, t in zip(live, runner.model.compute_logits(last).argmax(-1).tolist()):
+            drafts[i].append(t)
+        keep = [n for n, i in enumerate(live) if lengths[i] > j + 1]
+        live, last = [live[n] for n in keep], last[keep]
+        if not live:
+            break
+        pos = [requests[i].num_computed_tokens + j for i in live]  # the draft's own position
+        tabs = [coordinator.block_table(requests[i].request_id) for i in live]
+        last = runner.mtp(embed(torch.tensor([drafts[i][-1] for i in live], dtype=torch.int64, device=dev)), last,
+                        runner.rope_positions([(requests[i], p, p + 1) for i, p in zip(live, pos)]), runner.mtp_kv,
+                        runner.attention_metadata(list(range(len(live) + 1)), [p + 1 for p in pos], tabs,
+                                                 [slot_of(t, p, bs) for t, p in zip(tabs, pos)]))
+    return drafts

@@ -1,0 +1,195 @@
+"""Model architecture: `ModelConfig` and its parts (rope, router, MLA, vision), plain frozen
+dataclasses with HF attribute names normalised. HF `config.json` is parsed in
+`moestream.models.hf_config`, next to the model registry, where each model file reads its own
+fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from HF's `rope_parameters` / `rope_scaling` + `rope_theta`.
+
+    `rope_type` is one of SUPPORTED_ROPE_TYPES; `params` keeps the remaining HF keys
+    (factor, original_max_position_embeddings, beta_fast, ...), as a sorted tuple of pairs.
+    """
+
+    rope_type: str
+    theta: float
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """The vision side of a multimodal checkpoint (Qwen3.5-MoE's `Qwen3_5MoeForConditionalGeneration`).
+
+    Token ids of the placeholders the chat template writes (`image_token_id`,
+    `video_token_id`, inside `vision_start_token_id` ... `vision_end_token_id`);
+    `spatial_merge_size` (2 x 2 patches become one language-model token),
+    `patch_size` and `temporal_patch_size` in pixels / frames; `mrope_section`: how many
+    rotary frequencies take the temporal, height and width position (interleaved T H W T H W
+    ..., as HF's `Qwen3_5MoeTextRotaryEmbedding`); `vision_config`: the HF vision config
+    dict, for transformers' vision module class.
+    """
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    patch_size: int
+    temporal_patch_size: int
+    mrope_section: tuple[int, int, int]
+    vision_config: dict
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434), HF's DeepseekV2/V3 names.
+
+    `q_lora_rank` None: queries come from one `q_proj` (V2-Lite); else through a
+    `q_lora_rank` bottleneck. Keys and values are expanded from a `kv_lora_rank` latent by
+    `kv_b_proj`; a `qk_rope_head_dim` rope key is shared by all heads. `rope_interleave`:
+    rotary pairs are adjacent dims (x0, x1), (x2, x3) ... (DeepSeek's layout) instead of
+    rotate-half. `softmax_scale`: qk_head_dim ** -0.5, times yarn's mscale(factor,
+    mscale_all_dim) squared when the rope is yarn (HF `yarn_apply_mscale`).
+    """
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float
+
+    @property
+    def cache_dim(self) -> int:
+        """Values per token and layer in the latent KV cache: the latent plus the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the MoE router picks and weighs experts (HF's DeepseekV2/V3 and Glm4Moe routers;
+    the defaults are Qwen3-MoE's and Mixtral's softmax top-k).
+
+    `scoring_func`: "softmax" or "sigmoid". `topk_method`: "greedy" (top-k of the scores),
+    "group_limited_greedy" (DeepSeek-V2: experts of the `topk_group` groups with the highest
+    max score), or "noaux_tc" (DeepSeek-V3, GLM-4.5: selection by score +
+    `e_score_correction_bias`, groups ranked by the sum of their top-2). `n_group` groups of
+    num_experts / n_group experts. `routed_scaling_factor` multiplies the routed weights.
+    `float32`: the router runs in float32 whatever the model dtype, HF's
+    `_keep_in_fp32_modules_strict` (DeepSeek, GLM); else in the model dtype (Qwen, Mixtral),
+    and top-k comes out sorted (HF's `torch.topk` default) rather than unsorted.
+    """
+
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    float32: bool = False
+
+    @property
+    def has_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of an MoE decoder, with HF attribute names normalised.
+
+    All sizes are element counts. `moe_layers[i]` is True when layer i has a routed-expert
+    MoE block, False when it has a dense MLP of `intermediate_size`. Each model file
+    (`moestream/models/`) reads its own fields (`MoEForCausalLM.config_fields`).
+
+    Hybrid models (Qwen3-Next, Qwen3.5-MoE) also set: `layer_types[i]` "full_attention" or
+    "linear_attention" (Gated DeltaNet); the `linear_*` sizes of the GDN layers;
+    `attn_output_gate` (q_proj doubled to give a sigmoid output gate); `norm_unit_offset`
+    (RMSNorm scales by 1 + weight); and `weight_prefix`, the checkpoint prefix of the
+    decoder ("model." or, for Qwen3.5-MoE's multimodal class, "model.language_model.").
+    `multimodal`: the vision tower's settings when the checkpoint has one.
+
+    Shared experts: `shared_expert_intermediate_size` (0 = none); `shared_expert_gate`
+    True scales it by sigmoid(shared_expert_gate(x)) (Qwen3-Next `shared_expert`), False
+    adds it as is (DeepSeek / GLM `shared_experts`). `partial_rotary_factor`: RoPE on the
+    first fraction of head_dim. `o_proj_bias`: the attention output projection has a bias
+    (Qwen3-MoE: as `attention_bias`; GLM-4.5: never). `mla`: DeepSeek's latent attention
+    (then `head_dim` is the rope head dim, as HF sets it). `router`: the routing method.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    moe_layers: tuple[bool, ...]
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    qk_norm: bool
+    attention_bias: bool
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    hidden_act: str
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    layer_types: tuple[str, ...] = ()
+    linear_conv_kernel_dim: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_unit_offset: bool = False
+    weight_prefix: str = "model."
+    multimodal: MultiModalConfig | None = None
+    o_proj_bias: bool | None = None
+    mla: MLAConfig | None = None
+    router: RouterConfig = RouterConfig()
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when some layers are linear attention (they keep a state, not a KV cache)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Decoder indices of full-attention layers (the only ones with a KV cache)."""
+        if not self.layer_types:
+            return list(range(self.num_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """Decoder indices of linear-attention (Gated DeltaNet) layers."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of one token's KV cache entry per layer. MLA caches
+        one latent head of `kv_lora_rank + qk_rope_head_dim` and no separate value (the
+        values are the latent's first `kv_lora_rank` dims)."""
+        if self.mla is not None:
+            return 1, self.mla.cache_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim

@@ -1,0 +1,295 @@
+"""`EngineConfig` -> the engine's parts: model config, tokenizer, expert store, model, KV
+cache and state pools, coordinator, scheduler, runner, sampler, input and output
+processors, and the speculator. Every size is logged here, once, at start-up."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from moestream.config import EngineConfig, ModelConfig, resolve_dtype
+from moestream.engine.args import check_engine_config
+from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
+from moestream.engine.input_processor import InputProcessor
+from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, num_kv_blocks
+from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
+from moestream.engine.model_runner import ModelRunner
+from moestream.engine.output_processor import OutputProcessor
+from moestream.engine.scheduler import Scheduler
+from moestream.engine.state_checkpoints import StateCheckpointPool
+from moestream.engine.state_pool import StatePool
+from moestream.experts.planner import ExpertPlan, plan_experts
+from moestream.experts.policy import make_policy
+from moestream.experts.resident import ResidentExpertStore
+from moestream.experts.store import PagedExpertStore, load_pin_profile
+from moestream.experts.trace import RoutingRecorder
+from moestream.generation_config import default_sampling_fields
+from moestream.layers.attention_backend import TorchAttentionBackend
+from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
+from moestream.loader import CheckpointReader, build_model, expert_locations, load_resident_experts, load_tokenizer
+from moestream.models.hf_config import model_config_from_hf
+from moestream.models.registry import get_model_class
+from moestream.multimodal.processor import MultiModalProcessor
+from moestream.multimodal.vision import load_vision_encoder
+from moestream.sampler import Sampler
+from moestream.spec_decode.mtp import load_mtp
+from moestream.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+# A state checkpoint is a whole request state (about 74 MiB on Qwen3-Next-80B): few on the
+# device by default, the rest in host memory (state_checkpoint_host_bytes).
+_DEFAULT_DEVICE_CHECKPOINTS = 8
+
+
+@dataclass
+class EngineParts:
+    """What `build_engine` makes. Sizes: `max_model_len` in tokens, KV figures in bytes."""
+
+    model_config: ModelConfig
+    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    device: torch.device
+    dtype: torch.dtype
+    default_sampling_fields: dict
+    max_model_len: int
+    mm_processor: MultiModalProcessor | None
+    input_processor: InputProcessor
+    expert_plan: ExpertPlan
+    expert_store: ResidentExpertStore | PagedExpertStore
+    elastic_memory: ElasticMemory | None
+    recorder: RoutingRecorder | None
+    state_pool: StatePool | None
+    coordinator: KVCacheCoordinator
+    scheduler: Scheduler
+    runner: ModelRunner
+    sampler: Sampler
+    eos_token_ids: frozenset[int]
+    output_processor: OutputProcessor
+    speculator: Speculator | None
+    kv_cache_block_bytes: int
+    kv_cache_bytes_per_token: int
+    kv_cache_mha_bytes_per_token: int | None
+
+
+def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:
+    """The dtype `dtype="auto"` computes in: the checkpoint's, except bfloat16 / float16 on a
+    CPU without native bf16 matrix instructions (`cpu_has_native_bf16`, e.g. AVX2 only),
+    where torch's low-precision kernels run 2.5-4.7x slower than float32: there it is
+    float32 (weights take twice the memory; ask for dtype="bfloat16" to keep them small).
+    The choice is logged."""
+    if device.type == "cpu" and checkpoint_dtype in (torch.bfloat16, torch.float16) and not native_bf16:
+        logger.info("dtype auto: the checkpoint is %s, but this CPU has no native bf16/fp16 matrix instructions "
+                    "(AVX512-BF16 or AMX), where float32 is faster: computing in float32 (pass dtype=%r to keep %s)",
+                    str(checkpoint_dtype).removeprefix("torch."), str(checkpoint_dtype).removeprefix("torch."),
+                    str(checkpoint_dtype).removeprefix("torch."))
+        return torch.float32
+    return checkpoint_dtype
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    """Make every part of an engine from `config`.
+
+    Raises:
+        ValueError: a bad config, a missing/unreadable checkpoint or tokenizer, or a KV
+            budget too small for one max_model_len sequence.
+    """
+    check_engine_config(config)
+    mcfg = model_config_from_hf(config.model)
+    if config.batch_invariant and (mcfg.mla is not None or mcfg.is_hybrid):  # before any weight loads
+        name = get_model_class(mcfg.model_type).display_name or mcfg.model_type
+        raise ValueError(f"batch_invariant is not supported for {name} (multi-head latent attention "
+                         "and linear-attention layers are not covered); turn batch_invariant off")
+    tokenizer = load_tokenizer(config.model)
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)
+    if config.dtype == "auto":
+        dtype = auto_compute_dtype(dtype, device, cpu_has_native_bf16())
+    defaults = default_sampling_fields(config.generation_config, config.model)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation config: %s (they apply where a "
+                    "request leaves a field unset; generation_config='vllm' turns them off)", defaults)
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"{mcfg.max_position_embeddings}; lower max_model_len")
+    mm_processor = None
+    if mcfg.multimodal is not None:
+        mm_processor = MultiModalProcessor(config.model, mcfg.multimodal, config.limit_mm_per_prompt,
+                                           config.max_image_pixels)
+    input_processor = InputProcessor(tokenizer, mcfg.vocab_size, max_model_len, mm_processor)
+
+    # experts and weights
+    sc = config.speculative_config
+    reader = CheckpointReader(config.model)
+    recorder = RoutingRecorder() if config.record_routing else None
+    pinned = load_pin_profile(config.expert_pin_profile, mcfg) if config.expert_pin_profile else []
+    moe_layers = [i for i, m in enumerate(mcfg.moe_layers) if m]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    plan = plan_experts(config.expert_budget, len(moe_layers) * mcfg.num_experts,
+                        3 * mcfg.moe_intermediate_size * mcfg.hidden_size * elem, mcfg.num_experts_per_tok,
+                        len(pinned), config.expert_host_cache_bytes)
+    elastic = _make_elastic_memory(config, mcfg, plan, max_model_len, dtype, device) if (
+        config.enable_elastic_memory) else None
+    store: ResidentExpertStore | PagedExpertStore
+    if plan.resident:
+        store = ResidentExpertStore(recorder)
+    else:
+        store = PagedExpertStore(
+            expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
+            mcfg.moe_intermediate_size, mcfg.hidden_size, dtype, device, plan.num_slots,
+            plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolved_expert_prefetch,
+            "slots" if device.type == "cuda" else "page_cache", mcfg.num_experts_per_tok, recorder,
+            compute_in_place=device.type == "cpu",
+            slot_views=elastic.expert_views() if elastic is not None else None,
+        )
+    model = build_model(mcfg, reader, dtype, device, TorchAttentionBackend(config.batch_invariant), store)
+    if config.batch_invariant:
+        model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
+    if plan.resident:
+        load_resident_experts(mcfg, reader, dtype, device, store)
+    vision = load_vision_encoder(mcfg.multimodal, reader, dtype, device) if mcfg.multimodal is not None else None
+    mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend()) if (
+        sc is not None and sc.method == "mtp") else None
+    packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
+    if packed:
+        logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)
+
+    # caches
+    bs = config.block_size
+    num_kv_layers = len(mcfg.attention_layers) + (mtp is not None)  # the MTP layer has a KV cache too
+    heads, k_dim, v_dim = mcfg.kv_cache_dims
+    block_bytes = kv_block_bytes(num_kv_layers, bs, heads, k_dim, dtype, v_dim)
+    mha_per_token = _log_kv_bytes(mcfg, num_kv_layers, block_bytes // bs, dtype)
+    num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, max_model_len, config.max_num_seqs)
+    if elastic is not None:
+        num_blocks = elastic.num_blocks
+    kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
+                              offline_blocks=elastic.offline_blocks() if elastic is not None else ())
+    if elastic is not None:
+        elastic.bind(store, kv_cache)
+    state_pool = _make_state_pool(config, mcfg, dtype, device) if mcfg.is_hybrid else None
+    checkpoints = None
+    if state_pool is not None and config.enable_prefix_caching:
+        checkpoints = StateCheckpointPool(state_pool, config.state_checkpoint_host_bytes)
+    coordinator = KVCacheCoordinator(kv_cache, state_pool, checkpoints, config.state_checkpoint_interval, elastic)
+    scheduler = Scheduler(coordinator, config.max_num_seqs, config.max_num_batched_tokens)
+    runner = ModelRunner(model, num_blocks, bs, dtype, device, state_pool, recorder, mtp, vision,
+                         elastic.kv_caches() if elastic is not None else None)
+    eos = set(mcfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    eos_token_ids = frozenset(eos)
+    speculator = Speculator(sc, runner, coordinator, scheduler, max_model_len) if sc is not None else None
+
+    _log_sizes(config, mcfg, model, plan, kv_cache, block_bytes, dtype, device, max_model_len, elastic, state_pool,
+               checkpoints)
+    return EngineParts(
+        model_config=mcfg, tokenizer=tokenizer, device=device, dtype=dtype, default_sampling_fields=defaults,
+        max_model_len=max_model_len, mm_processor=mm_processor, input_processor=input_processor, expert_plan=plan,
+        expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
+        coordinator=coordinator, scheduler=scheduler, runner=runner, sampler=Sampler(config.seed, device),
+        eos_token_ids=eos_token_ids, output_processor=OutputProcessor(tokenizer, eos_token_ids, max_model_len),
+        speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
+        kv_cache_mha_bytes_per_token=mha_per_token,
+    )
+
+
+def _make_elastic_memory(config: EngineConfig, mcfg: ModelConfig, plan: ExpertPlan, max_model_len: int,
+                         dtype: torch.dtype, device: torch.device) -> ElasticMemory:
+    """One page pool for expert slots and KV blocks (`enable_elastic_memory`).
+
+    Raises:
+        ValueError: the experts are all resident, or the model has no attention layers.
+    """
+    if plan.resident:
+        raise ValueError("enable_elastic_memory shares memory between paged experts and the KV cache; give "
+                         "an expert_budget below the routed experts' size (e.g. 0.5)")
+    sc = config.speculative_config
+    num_kv_layers = len(mcfg.attention_layers) + (sc is not None and sc.method == "mtp")
+    if num_kv_layers == 0:
+        raise ValueError("enable_elastic_memory needs a model with attention layers")
+    geometry = PageGeometry(mcfg.moe_intermediate_size, mcfg.hidden_size, num_kv_layers, config.block_size,
+                            *mcfg.kv_cache_dims)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    kv_blocks = num_kv_blocks(config.kv_cache_memory_bytes, geometry.block_elems * elem, config.block_size,
+                              max_model_len, config.max_num_seqs)
+    return ElasticMemory(geometry, plan.num_slots, -(-kv_blocks // geometry.blocks_per_page), dtype, device)
+
+
+def _make_state_pool(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> StatePool:
+    """Device state slots for `max_resident_states` requests (default max_num_seqs)."""
+    conv_dim = 2 * mcfg.linear_num_key_heads * mcfg.linear_key_head_dim + (
+        mcfg.linear_num_value_heads * mcfg.linear_value_head_dim
+    )
+    return StatePool(
+        len(mcfg.linear_layers),
+        (conv_dim, mcfg.linear_conv_kernel_dim - 1),
+        (mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim),
+        dtype,
+        dtype if cfg.mamba_ssm_cache_dtype == "auto" else resolve_dtype(cfg.mamba_ssm_cache_dtype, None),
+        cfg.max_resident_states or cfg.max_num_seqs,
+        device,
+        num_checkpoint_rows=0 if not cfg.enable_prefix_caching else (
+            cfg.max_state_checkpoints if cfg.max_state_checkpoints is not None
+            else min(_DEFAULT_DEVICE_CHECKPOINTS, cfg.max_resident_states or cfg.max_num_seqs)),
+        num_spec_rows=cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 0,
+    )
+
+
+def _log_kv_bytes(mcfg: ModelConfig, num_kv_layers: int, per_token: int, dtype: torch.dtype) -> int | None:
+    """Log the KV cache's bytes per token; for MLA, against the expanded per-head keys and
+    values an MHA cache would hold, which it returns (None for other models)."""
+    if mcfg.mla is None:
+        logger.info("KV cache: %d bytes per token (%d layers)", per_token, num_kv_layers)
+        return None
+    m, elem = mcfg.mla, torch.tensor([], dtype=dtype).element_size()
+    mha = num_kv_layers * mcfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * elem
+    logger.info("KV cache (MLA latent, kv_lora_rank %d + qk_rope_head_dim %d): %d bytes per token (%d layers); "
+                "expanded MHA keys and values would take %d (%.1fx)", m.kv_lora_rank, m.qk_rope_head_dim,
+                per_token, num_kv_layers, mha, mha / per_token)
+    return mha
+
+
+def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, plan: ExpertPlan,
+               kv_cache: KVCacheManager, block_bytes: int, dtype: torch.dtype, device: torch.device,
+               max_model_len: int, elastic: ElasticMemory | None, pool: StatePool | None,
+               checkpoints: StateCheckpointPool | None) -> None:
+    """Log every start-up figure: dense and expert bytes, expert slots, KV blocks, elastic
+    pages, state slots and checkpoints."""
+    bs = config.block_size
+    dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info(
+        "model %s (%s, %s): dense weights %.1f MiB resident; routed experts %.1f MiB in all, %s; "
+        "KV cache %d blocks x %d tokens (%d bytes each, %.1f MiB); max_model_len %d",
+        config.model, mcfg.model_type, dtype, dense_bytes / 2**20, plan.total_bytes / 2**20,
+        "all resident" if plan.resident else (
+            f"{plan.num_slots} device slots of {plan.expert_bytes} bytes ({plan.num_slots * plan.expert_bytes / 2**20:.1f} "
+            f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
+            f"prefetch {config.resolved_expert_prefetch}"
+            f"{' into slots' if device.type == 'cuda' else ' as page-cache read-ahead'}"),
+        kv_cache.num_blocks, bs, block_bytes, kv_cache.num_blocks * block_bytes / 2**20, max_model_len,
+    )
+    if elastic is not None:
+        st = elastic.stats()
+        logger.info("elastic memory: %d pages of %d bytes (one expert slot or %d KV blocks each), %d start as "
+                    "expert slots and %d as KV blocks", st["num_pages"], st["page_bytes"], st["blocks_per_page"],
+                    st["expert_pages"], st["kv_pages"])
+    if pool is None:
+        return
+    logger.info(
+        "hybrid model: KV cache for %d of %d layers (full attention); linear-attention state %.2f MiB per "
+        "request (%d layers, conv %s %s + recurrent %s %s, with %d speculative rows); %d device slots "
+        "(%.1f MiB), the rest swapped to host",
+        len(mcfg.attention_layers), mcfg.num_layers, pool.bytes_per_request / 2**20, len(mcfg.linear_layers),
+        list(pool.conv_shape), str(pool.conv_dtype).removeprefix("torch."), list(pool.ssm_shape),
+        str(pool.ssm_dtype).removeprefix("torch."), pool.num_spec_rows, pool.max_resident, pool.device_bytes / 2**20,
+    )
+    if checkpoints is not None:
+        logger.info(
+            "prefix caching on a hybrid model: state checkpoints of %.2f MiB each, every %d tokens of a prompt, "
+            "at its last full block, at branch points and at the end of each output; %d on the device "
+            "(%.1f MiB), up to %d in host memory", pool.bytes_per_state / 2**20, config.state_checkpoint_interval,
+            pool.num_checkpoint_rows, pool.num_checkpoint_rows * pool.bytes_per_state / 2**20,
+            checkpoints.max_host_checkpoints)
