@@ -21,11 +21,9 @@ import os
 
 import torch
 
-logger = logging.getLogger(__name__)
+from moestream.config.engine import MAX_THREADS  # declared with the threads option
 
-MAX_THREADS = 1024
-"""Upper bound of an explicit thread count: torch's OpenMP pool crashes (SIGSEGV) when asked
-for ~10**5 threads and overflows at 2**31, and no CPU this engine runs on has more cores."""
+logger = logging.getLogger(__name__)
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 """The cgroup v2 CPU quota of a container's own cgroup: "QUOTA PERIOD" (microseconds) or "max PERIOD"."""

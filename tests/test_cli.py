@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from moestream.threads import available_cores
+
 from moestream.server.cli import build_parser, main
 
 
@@ -120,11 +122,13 @@ def test_lazy_package_exports() -> None:
 # ---- generate --threads -----------------------------------------------------------------------
 
 
-def test_resolve_threads() -> None:
+def test_resolve_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     from moestream.threads import resolve_threads
 
-    assert resolve_threads("auto", "cpu") == len(os.sched_getaffinity(0))  # generate, offline LLM
-    assert resolve_threads("auto", "cpu", reserve=1) == max(1, len(os.sched_getaffinity(0)) - 1)  # serve
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: no fallback under load
+
+    assert resolve_threads("auto", "cpu") == available_cores()  # generate, offline LLM
+    assert resolve_threads("auto", "cpu", reserve=1) == max(1, available_cores() - 1)  # serve
     assert resolve_threads("auto", "cuda:0") is None
     assert resolve_threads(3, "cpu") == 3
     assert resolve_threads(1024, "cpu") == 1024
@@ -136,13 +140,15 @@ def test_resolve_threads() -> None:
             resolve_threads(huge, "cpu")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--threads", "100000", "x"])
-    assert build_parser().parse_args(["generate", "x"]).threads == "auto"
+    assert build_parser().parse_args(["generate", "x"]).threads is None  # not given: EngineConfig's "auto"
     assert build_parser().parse_args(["generate", "--threads", "2", "x"]).threads == 2
 
 
-def test_generate_sets_the_torch_thread_count(qwen3_moe_dir: str, capsys: pytest.CaptureFixture) -> None:
+def test_generate_sets_the_torch_thread_count(qwen3_moe_dir: str, capsys: pytest.CaptureFixture,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: no fallback under load
     from moestream.threads import resolve_threads
 
     before = torch.get_num_threads()
@@ -208,13 +214,13 @@ def _spy_generate(monkeypatch: pytest.MonkeyPatch) -> list:
     from moestream.llm import LLM
 
     calls = []
-    original = LLM.generate
+    original = LLM.generate_stream  # generate runs through it (measuring its speed)
 
     def spy(self, prompts, sampling_params=None, **kw):
         calls.append((list(prompts), list(sampling_params)))
         return original(self, prompts, sampling_params, **kw)
 
-    monkeypatch.setattr(LLM, "generate", spy)
+    monkeypatch.setattr(LLM, "generate_stream", spy)
     return calls
 
 
@@ -372,10 +378,13 @@ def test_max_logprobs_can_be_raised(qwen3_moe_dir: str, capsys: pytest.CaptureFi
     assert all(len(re.findall(r" -?\d+\.\d{3}(?:,|$)", line.split(" | top: ")[1])) == 25 for line in lines)
 
 
-def test_offline_llm_threads(qwen3_moe_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_offline_llm_threads(qwen3_moe_dir: str, caplog: pytest.LogCaptureFixture,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
     """LLM(threads=...) sets torch's threads ('auto': every available core) and logs it; a bad
     value is refused before the model loads."""
     import logging
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: no fallback under load
 
     import torch
 
@@ -386,8 +395,8 @@ def test_offline_llm_threads(qwen3_moe_dir: str, caplog: pytest.LogCaptureFixtur
         torch.set_num_threads(1)
         with caplog.at_level(logging.INFO, logger="moestream.llm"):
             LLM(qwen3_moe_dir, max_model_len=64)
-        assert torch.get_num_threads() == len(os.sched_getaffinity(0))
-        assert f"torch threads: {len(os.sched_getaffinity(0))} (auto" in caplog.text
+        assert torch.get_num_threads() == available_cores()
+        assert f"torch threads: {available_cores()} (auto" in caplog.text
         LLM(qwen3_moe_dir, max_model_len=64, threads=1)
         assert torch.get_num_threads() == 1
         with pytest.raises(ValueError, match="threads must be a positive integer or 'auto'"):

@@ -56,7 +56,10 @@ def test_bad_threads_flag_is_a_clear_error(value: str, capsys: pytest.CaptureFix
 
 
 def test_threads_flag_parses_and_config_checks() -> None:
-    assert build_parser().parse_args(["serve"]).threads == "auto"
-    assert build_parser().parse_args(["serve", "--threads", "3"]).threads == 3
+    from moestream.engine.args import engine_kwargs
+
+    assert "threads" not in engine_kwargs(build_parser().parse_args(["serve"]))  # EngineConfig's default: auto
+    assert EngineConfig("demo").threads == "auto"
+    assert engine_kwargs(build_parser().parse_args(["serve", "--threads", "3"]))["threads"] == 3
     with pytest.raises(ValueError, match="engine threads must be at least 1"):
         ServerConfig(served_model_names=("m",), engine_threads=0)

@@ -257,7 +257,8 @@ class EngineConfig:
         if not isinstance(self.expert_policy, str) or not self.expert_policy:
             raise ValueError(f"expert_policy must be a policy name, got {self.expert_policy!r}")
         if self.threads is not None and self.threads != "auto" and (not is_int(self.threads) or self.threads < 1):
-            raise ValueError(f"threads must be a positive integer, 'auto' or None, got {self.threads!r}")
+            raise ValueError(f"threads must be a positive integer or 'auto' (None: torch's own setting), "
+                             f"got {self.threads!r}")
         if not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.dtype, (str, torch.dtype)):

@@ -153,13 +153,7 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab}); got {bad[:5]}")
         ids = [int(t) for t in ids]
         mm = None
-        if isinstance(prompt, dict) and prompt.get("mm_inputs") is not None:  # processed already (ids expanded)
-            from moestream.multimodal.inputs import MultiModalInputs
-
-            mm = prompt["mm_inputs"]
-            if not isinstance(mm, MultiModalInputs) or mm.mrope_positions.shape[1] != len(ids):
-                raise ValueError("'mm_inputs' is internal: pass images as 'multi_modal_data'")
-        elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             if self.mm_processor is None:
                 raise ValueError("this model takes no images (its checkpoint has no vision tower); send text only")
             ids, mm = self.mm_processor.process(ids, prompt["multi_modal_data"], self.tokenizer)

@@ -37,6 +37,7 @@ import torch
 
 from moestream.engine.input_processor import InputProcessor
 from moestream.engine.llm_engine import LLMEngine, PromptType
+from moestream.engine.request import ProcessedPrompt
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
 
@@ -287,21 +288,21 @@ class AsyncLLMEngine:
         return stream
 
     def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
-                  requested_max_tokens: int | None = None) -> list[dict]:
-        """(tokenizer thread) Each item's prompt as {"prompt", "prompt_token_ids", "mm_inputs"}
+                  requested_max_tokens: int | None = None) -> list[ProcessedPrompt]:
+        """(tokenizer thread) Each item's prompt as a `ProcessedPrompt` (validated and tokenized once)
         (images preprocessed here too, off the engine thread).
 
         Raises:
             ValueError: a prompt the input processor rejects, or one that leaves fewer than
                 `requested_max_tokens` output tokens under max_model_len.
         """
-        out: list[dict] = []
-        seen: dict[int, dict] = {}  # n choices share one prompt object: processed (images included) once
+        out: list[ProcessedPrompt] = []
+        seen: dict[int, ProcessedPrompt] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:
             if id(prompt) not in seen:
                 text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
                 self.input_processor.check_max_tokens(len(ids), requested_max_tokens, strict=True)
-                seen[id(prompt)] = {"prompt": text, "prompt_token_ids": ids, "mm_inputs": mm}
+                seen[id(prompt)] = ProcessedPrompt(text, ids, mm)
             out.append(seen[id(prompt)])
         return out
 

@@ -147,6 +147,35 @@ def format_logprobs(completion: CompletionOutput, n: int) -> list[str]:
     return lines
 
 
+def _generate_watching_speed(llm: Any, prompts: list[str], params: list[SamplingParams],
+                             window: float = 0.5) -> tuple[list[Any], str | None]:
+    """`llm.generate(prompts, params)`, also measuring the output tokens/s in windows of
+    `window` seconds: when the last window ran many times slower than the best one
+    (`threads.slow_step_hint`: shared, oversubscribed cores), a hint naming the thread
+    count, else None."""
+    import torch
+
+    from moestream.threads import slow_step_hint
+
+    final: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    best = last = 0.0
+    mark, tokens = time.perf_counter(), 0
+    for out in llm.generate_stream(prompts, params):
+        n = len(out.outputs[0].token_ids)
+        tokens += n - counts.get(out.request_id, 0)
+        counts[out.request_id] = n
+        if out.finished:
+            final[out.request_id] = out
+        now = time.perf_counter()
+        if now - mark >= window:
+            last = tokens / (now - mark)
+            best, mark, tokens = max(best, last), now, 0
+    order = sorted(final, key=lambda rid: int(rid) if rid.isdigit() else rid)  # the engine numbers them in order
+    hint = slow_step_hint(last, torch.get_num_threads(), best) if last else None
+    return [final[rid] for rid in order], hint
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Run `moestream generate`. Returns 0, or 2 on a bad flag (an `error: ...` line).
 
@@ -174,7 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"--- sampling: {shown}" + (f" ({', '.join(from_model)} from the model's generation_config.json)"
                                        if from_model else ""))
     start = time.perf_counter()
-    outputs = llm.generate([p for p in prompts for _ in range(n)], params * len(prompts))
+    outputs, hint = _generate_watching_speed(llm, [p for p in prompts for _ in range(n)], params * len(prompts))
     elapsed = time.perf_counter() - start
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     for i, prompt in enumerate(prompts):
@@ -194,6 +223,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     n = torch.get_num_threads()
     print(f"--- {total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s ({n} torch thread{'s' * (n != 1)})")
+    if hint is not None:
+        print(f"--- {hint}")
     stats = llm.expert_stats()
     if not stats["resident"]:
         print(f"--- experts: hit rate {stats['hit_rate']:.3f} ({stats['hits']} hits, {stats['misses']} misses), "
