@@ -86,7 +86,6 @@ TEXT_PROMPTS = [  # real text for a trained model (`--model`): its routing is re
 
 def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: int, prefetch: str, policy: str,
             host_cache_bytes: int, dtype: str, text: bool, elastic: bool, kv_cache_blocks: int | None) -> dict:
-    from moestream.models.hf_config import model_config_from_hf
     from moestream import LLM, SamplingParams
 
     drop_page_cache(ckpt)
@@ -94,7 +93,7 @@ def run_one(ckpt: str, budget: float, batch: int, max_tokens: int, prompt_len: i
     max_model_len = prompt_len + max_tokens + 8
     kv_bytes = None
     if kv_cache_blocks is not None:  # a small KV cache: KV demand passes the static split
-        from moestream import ModelConfig
+        from moestream.models.hf_config import model_config_from_hf
         from moestream.engine.kv_cache import kv_block_bytes
 
         mc = model_config_from_hf(ckpt)
@@ -178,7 +177,7 @@ def main() -> int:
     elif not os.path.exists(os.path.join(args.ckpt, "config.json")):
         print(f"making checkpoint in {args.ckpt} ...", flush=True)
         make_checkpoint(args.ckpt, args.layers, args.experts, args.hidden, args.moe_intermediate)
-    from moestream import ModelConfig
+    from moestream.models.hf_config import model_config_from_hf
 
     cfg = model_config_from_hf(args.ckpt)
     expert_tensor_bytes = cfg.moe_intermediate_size * cfg.hidden_size * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()

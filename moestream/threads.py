@@ -139,9 +139,9 @@ def resolve_threads(value: int | str | None, device: str, reserve: int = 0, *,
     free = free_cores(load, cpu_count)
     if free - reserve < threads and threads > 1:
         fallback = max(1, free - reserve)
-        logger.warning("threads auto: the 1-minute load average %.2f leaves %d of this machine's %d CPUs free; "
-                       "using %d torch thread(s) instead of %d (%d usable core(s)%s); give --threads N to choose",
-                       load, free, cpu_count, fallback, threads, cores, f", {reserve} reserved" if reserve else "")
+        logger.info("threads auto: the 1-minute load average %.2f leaves %d of this machine's %d CPUs free; "
+                    "using %d torch thread(s) instead of %d (%d usable core(s)%s); give --threads N to choose",
+                    load, free, cpu_count, fallback, threads, cores, f", {reserve} reserved" if reserve else "")
         return fallback
     return threads
 

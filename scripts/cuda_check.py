@@ -66,7 +66,7 @@ from tiny_checkpoint import make_tiny_checkpoint  # noqa: E402
 
 import moestream  # noqa: E402
 from moestream.models.hf_config import model_config_from_hf  # noqa: E402
-from moestream import LLM, EngineConfig, ModelConfig, SamplingParams  # noqa: E402
+from moestream import LLM, EngineConfig, SamplingParams  # noqa: E402
 from moestream.experts.store import PagedExpertStore  # noqa: E402
 
 PROMPT_LENGTHS = (1, 3, 7, 12, 18, 25, 33, 40)  # as tests/conftest.py

@@ -18,7 +18,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from moestream.models.hf_config import model_config_from_hf
-from moestream import LLM, ModelConfig
+from moestream import LLM
 
 # fixture name -> (display name in errors, fields its config.json must have)
 COMMON = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_experts_per_tok")

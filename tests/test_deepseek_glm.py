@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 
 from moestream.models.hf_config import model_config_from_hf, model_config_from_dict
-from moestream import LLM, ModelConfig, SamplingParams
+from moestream import LLM, SamplingParams
 from moestream.config import RouterConfig
 from moestream.layers.router import TopKRouter
 

@@ -12,7 +12,7 @@ from conftest import parity_prompts
 from parity import LogitsRecorder
 
 from moestream.models.hf_config import model_config_from_hf
-from moestream import LLM, ModelConfig, SamplingParams
+from moestream import LLM, SamplingParams
 
 MAX_TOKENS = 12
 

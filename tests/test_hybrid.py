@@ -14,7 +14,7 @@ from parity import LogitsRecorder, check_all, greedy_params
 from tiny_checkpoint import make_tiny_checkpoint
 
 from moestream.models.hf_config import model_config_from_hf
-from moestream import LLM, ModelConfig, SamplingParams
+from moestream import LLM, SamplingParams
 from moestream.engine.kv_cache import kv_block_bytes
 
 

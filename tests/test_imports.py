@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "moestream"
 
 # Layers above experts/ (DESIGN.md: experts/ sits below the engine, the layers, the models and the server).
@@ -185,13 +187,32 @@ def test_no_import_cycles() -> None:
     assert cycles == [], _describe(PACKAGE_DIR, cycles)
 
 
-def test_experts_imports_nothing_above() -> None:
+def _upward(package: str, above: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(module, target) pairs where a module of `package` imports one of `above`."""
     graph = import_graph(PACKAGE_DIR)
-    upward = sorted(
+    return sorted(
         (mod, target)
         for mod, targets in graph.items()
-        if mod == "moestream.experts" or mod.startswith("moestream.experts.")
+        if mod == package or mod.startswith(package + ".")
         for target in targets
-        if any(target == above or target.startswith(above + ".") for above in ABOVE_EXPERTS)
+        if any(target == a or target.startswith(a + ".") for a in above)
     )
-    assert upward == [], "experts/ imports from above it: " + ", ".join(f"{m} -> {t}" for m, t in upward)
+
+
+@pytest.mark.parametrize("package, above", [
+    ("moestream.experts", ABOVE_EXPERTS),
+    ("moestream.config", ("moestream.models", "moestream.layers", "moestream.experts", "moestream.engine",
+                          "moestream.server", "moestream.spec_decode")),
+])
+def test_package_imports_nothing_above(package: str, above: tuple[str, ...]) -> None:
+    upward = _upward(package, above)
+    assert upward == [], f"{package} imports from above it: " + ", ".join(f"{m} -> {t}" for m, t in upward)
+
+
+def test_structure_doc_names_every_module() -> None:
+    """docs/structure.md has a line for every module of the package."""
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "structure.md").read_text()
+    missing = [str(p.relative_to(root)) for p in sorted((root / "moestream").rglob("*.py"))
+               if p.name != "__init__.py" and f"`{p.relative_to(root)}`" not in doc]
+    assert missing == []

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moestream.models.hf_config import model_config_from_hf, model_config_from_dict
-from moestream import LLM, ModelConfig, SamplingParams
+from moestream import LLM, SamplingParams
 from moestream.config import resolve_dtype
 
 

@@ -9,7 +9,7 @@ from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 
 from moestream.models.hf_config import model_config_from_hf
-from moestream import LLM, ModelConfig
+from moestream import LLM
 from moestream.engine.kv_cache import kv_block_bytes
 
 

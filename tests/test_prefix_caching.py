@@ -167,9 +167,11 @@ def test_block_pool_never_leaks_or_evicts_held_blocks(ops: list[tuple[str, int, 
 
 @pytest.mark.parametrize("flag,enabled", [([], True), (["--no-enable-prefix-caching"], False)])
 def test_cli_flag(flag: list[str], enabled: bool) -> None:
+    from moestream.config import EngineConfig
+    from moestream.engine.args import engine_kwargs
     from moestream.server.cli import build_parser
 
-    assert build_parser().parse_args(["serve", *flag]).enable_prefix_caching is enabled
+    assert EngineConfig(**engine_kwargs(build_parser().parse_args(["serve", *flag]))).enable_prefix_caching is enabled
 
 
 def test_server_reports_cached_tokens(live_server) -> None:

@@ -6,7 +6,6 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from moestream.models.hf_config import model_config_from_dict
-from moestream.config import ModelConfig
 from moestream.layers.rotary import rope_inv_freq
 
 CASES = {

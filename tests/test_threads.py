@@ -108,7 +108,7 @@ def test_auto_falls_back_part_way_on_a_loaded_8_cpu_machine(tmp_path: Path, monk
     kw = dict(cpu_max_path=str(tmp_path / "cpu.max"), cgroup_v1_dir=no_v1(tmp_path))
     assert resolve_threads("auto", "cpu", load=0.3, **kw) == 8
     assert resolve_threads("auto", "cpu", reserve=1, load=0.3, **kw) == 7
-    with caplog.at_level(logging.WARNING, logger="moestream.threads"):
+    with caplog.at_level(logging.INFO, logger="moestream.threads"):
         assert resolve_threads("auto", "cpu", load=4.8, **kw) == 3  # 3.2 CPUs idle -> 3
         # serve: 3 CPUs free, 1 of them kept for the event loop, the engine gets 2
         assert resolve_threads("auto", "cpu", reserve=1, load=4.8, **kw) == 2

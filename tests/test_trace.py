@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moestream.models.hf_config import model_config_from_hf
-from moestream import LLM, ModelConfig, SamplingParams
+from moestream import LLM, SamplingParams
 from moestream.experts.policy import (
     POLICY_NAMES,
     EvictionPolicy,

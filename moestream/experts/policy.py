@@ -331,7 +331,7 @@ class NextUsePolicy(EvictionPolicy):
 
     Victim: the largest expected next use, ties broken by smallest key. Measured on the
     DeepSeek-V2-Lite routing trace against LRU, LFU and `activation` (`moestream
-    trace-sim`; README "Expert residency"). Router weights are not used. Scores are kept in
+    trace-sim`; docs/expert_paging.md). Router weights are not used. Scores are kept in
     dense [layers, experts] float64 arrays, so `victim` is one vectorised pass over them.
 
     Raises:

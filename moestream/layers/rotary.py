@@ -2,7 +2,7 @@
 
 Inverse-frequency formulas follow transformers' `modeling_rope_utils.py`:
 default, linear (position interpolation), yarn (Peng et al. 2023, arXiv 2309.00071)
-and llama3. Other types are refused by `ModelConfig.from_hf`.
+and llama3. Other types are refused by `models.hf_config.model_config_from_hf`.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class MoEForCausalLM(nn.Module):
 
     @classmethod
     def config_fields(cls, f: HFConfigFields, common: dict[str, Any]) -> dict[str, Any]:
-        """ModelConfig fields of this model beyond the `common` ones `ModelConfig.from_dict`
+        """ModelConfig fields of this model beyond the `common` ones `model_config_from_dict`
         read (at least num_experts, moe_layers, moe_intermediate_size, norm_topk_prob,
         qk_norm). Raises ValueError (see `HFConfigFields`)."""
         raise NotImplementedError
