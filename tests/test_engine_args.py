@@ -66,3 +66,20 @@ def test_mistyped_model_directory_is_an_error(tmp_path, capsys: pytest.CaptureFi
     assert main(["generate", typo, "hi"]) == 2
     err = capsys.readouterr().err
     assert f"error: model directory '{typo}' does not exist" in err
+
+
+def test_generate_takes_prompts_after_flags(qwen3_moe_dir: str, capsys: pytest.CaptureFixture) -> None:
+    """Regression: `generate DIR --max-tokens 2 PROMPT` was refused ('unrecognized arguments')."""
+    assert main(["generate", qwen3_moe_dir, "--max-tokens", "2", "--max-model-len", "64", "Hi", "--seed", "1",
+                 "Yo"]) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt: 'Hi'" in out and "--- prompt: 'Yo'" in out and out.count("[2 tokens") == 2
+
+
+def test_near_miss_of_a_builtin_model_is_an_error(capsys: pytest.CaptureFixture) -> None:
+    from moestream.server.cli_generate import split_model_and_prompts
+
+    with pytest.raises(ValueError, match="'demo-hybridd' is not a built-in model; did you mean 'demo-hybrid'"):
+        split_model_and_prompts("demo-hybridd", ["hi"])
+    assert split_model_and_prompts("demo hybrid", ["hi"]) == (None, ["demo hybrid", "hi"])  # prose: a prompt
+    assert main(["generate", "demo-hybrd", "hi"]) == 2 and "did you mean 'demo-hybrid'" in capsys.readouterr().err

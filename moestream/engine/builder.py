@@ -99,8 +99,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     mcfg = model_config_from_hf(config.model)
     if config.batch_invariant and (mcfg.mla is not None or mcfg.is_hybrid):  # before any weight loads
         name = get_model_class(mcfg.model_type).display_name or mcfg.model_type
-        raise ValueError(f"batch_invariant is not supported for {name} (multi-head latent attention "
-                         "and linear-attention layers are not covered); turn batch_invariant off")
+        what = "multi-head latent attention" if mcfg.mla is not None else "linear-attention layers"
+        raise ValueError(f"batch_invariant is not supported for {name} ({what}: not covered); turn "
+                         "batch_invariant off")
     tokenizer = load_tokenizer(config.model)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)

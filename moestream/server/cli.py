@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = add_generate_parser(sub)
     gen.set_defaults(subparser=gen)
+    parser.generate_parser = gen  # main parses generate's arguments intermixed
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                          description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, "
                                      "/v1/chat/completions, /v1/models, /health, /version, /metrics. "
@@ -109,9 +110,14 @@ def main(argv: list[str] | None = None) -> int:
         from moestream.experts.trace_sim import trace_sim_main
 
         return trace_sim_main(argv[1:])
-    args, unknown = build_parser().parse_known_args(argv)
-    if unknown:  # the subcommand's usage, not the top-level one
-        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    parser = build_parser()
+    if argv[:1] == ["generate"]:  # prompts may come after flags: `generate DIR --max-tokens 8 "prompt"`
+        args = parser.generate_parser.parse_intermixed_args(argv[1:])
+        args.command = "generate"
+    else:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # the subcommand's usage, not the top-level one
+            args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     verbose = getattr(args, "verbose", False) or args.command == "serve"
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")

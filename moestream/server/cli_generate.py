@@ -4,6 +4,7 @@ print them with tokens/s. Imports nothing heavy until the command runs."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -99,13 +100,18 @@ def split_model_and_prompts(model_dir: str | None, prompts: list[str]) -> tuple[
 
     Raises:
         ValueError: the first of several looks like a path (it contains '/' or starts with
-            '.') but is not a directory: a mistyped model directory, not a prompt.
+            '.') but is not a directory, or is a near miss of a built-in model's name: a
+            mistyped model, not a prompt.
     """
     positionals = ([] if model_dir is None else [model_dir]) + list(prompts)
     if len(positionals) > 1:
         first = positionals[0]
         if os.path.isdir(first) or first in BUILTIN_MODELS:
             return first, positionals[1:]
+        close = difflib.get_close_matches(first, BUILTIN_MODELS, n=1, cutoff=0.8)
+        if close and first != close[0] and not any(c.isspace() for c in first):
+            raise ValueError(f"'{first}' is not a built-in model; did you mean '{close[0]}'? (give prompts only to use "
+                             "the demo model)")
         if ("/" in first or first.startswith(".")) and "\n" not in first:
             raise ValueError(f"model directory '{first}' does not exist (a first argument that looks like a path "
                              "names the model); check the path, or give prompts only to use the demo model")
