@@ -59,7 +59,7 @@ class LLMEngine:
         self.speculator.proposer = value
 
     @property
-    def kv_cache(self) -> KVCacheManager:
+    def kv_cache(self) -> KVCacheManager:  # the full-attention layers' block pool
         return self.coordinator.kv
 
     # ---- requests -------------------------------------------------------------------
@@ -211,9 +211,8 @@ class LLMEngine:
             self.recorder.save(self.config.record_routing)
 
     def expert_stats(self) -> dict:
-        """Expert-cache metrics (see ExpertStats.as_dict): hit_rate, hits, misses, stall_seconds,
-        bytes_read, per-layer and per-tier figures; with elastic memory, `elastic_memory`:
-        its pages per owner and resizes so far."""
+        """Expert-cache metrics (ExpertStats.as_dict: hit_rate, hits, misses, stall_seconds, bytes_read,
+        per layer and tier); with elastic memory, `elastic_memory`: pages per owner, resizes."""
         stats = self.expert_store.stats()
         if self.elastic_memory is not None:
             stats["elastic_memory"] = self.elastic_memory.stats()
