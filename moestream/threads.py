@@ -100,7 +100,7 @@ def resolve_threads(value: int | str | None, device: str, reserve: int = 0, *,
     """The torch thread count for `value`: an int as given; None leaves torch's setting;
     'auto' is None on an accelerator, and on CPU `available_cores() - reserve` (at least 1),
     lowered to `free_cores(load, os.cpu_count()) - reserve` (at least 1) when the machine's
-    load leaves fewer cores free than that; the fallback is logged (warning) with the load
+    load leaves fewer cores free than that; the fallback is logged (info) with the load
     and the counts.
 
     Args:

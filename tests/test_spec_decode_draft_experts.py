@@ -99,3 +99,21 @@ def test_draft_routing_feeds_the_prefetcher(qwen3_moe_dir: str) -> None:
     assert hints and llm.expert_stats()["prefetch_hits"] > 0
     assert set(hints) < set(retained)  # retention hints also name experts that were resident
     _no_leaks(llm)
+
+
+def test_draft_executor_swap_is_undone_on_error(qwen3_moe_dir: str) -> None:
+    """`resident_only_experts` swaps every MoE layer's executor for the draft pass and puts
+    each layer's own back on exit, also when the pass raises."""
+    import pytest
+
+    from moestream.layers.moe import SparseMoE
+    from moestream.spec_decode.draft_experts import ResidentOnlyExecutor, resident_only_experts
+
+    model = LLM(qwen3_moe_dir, dtype="float32", max_model_len=64).llm_engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    own = [m.experts for m in layers]
+    with pytest.raises(RuntimeError, match="draft failed"):
+        with resident_only_experts(model):
+            assert layers and all(isinstance(m.experts, ResidentOnlyExecutor) for m in layers)
+            raise RuntimeError("draft failed")
+    assert all(m.experts is e for m, e in zip(layers, own))

@@ -113,28 +113,28 @@ def draft_pass(runner: ModelRunner, requests: list[Request], lengths: list[int],
             rows.append(pool.spec_row(slot, pool.num_spec_rows - 1))
             pool.copy_row(slot, rows[-1])
     drafts: list[list[int]] = [[] for _ in requests]
-    for j in range(max(lengths, default=0)):
-        live = [i for i, n in enumerate(lengths) if n > j]
-        ids, positions, slots, tables = [], [], [], []
-        for i in live:
-            req = requests[i]
-            pos = req.num_tokens - 1 + j
-            ids.append(drafts[i][-1] if j else req.token_ids[-1])
-            positions.append(pos)
-            table = coordinator.block_table(req.request_id)
-            slots.append(slot_of(table, pos, bs))
-            tables.append(table)
-        qsl = list(range(len(live) + 1))
-        meta = runner.attention_metadata(qsl, [p + 1 for p in positions], tables, slots)
-        state_caches, state_meta = None, None
-        if pool is not None:
-            live_rows = [rows[i] for i in live]
-            state_caches = pool.caches()
-            state_meta = StateMetadata(qsl, live_rows, torch.tensor(live_rows, dtype=torch.int64, device=dev))
-        rope = runner.rope_positions([(requests[i], p, p + 1) for i, p in zip(live, positions)])
-        with resident_only_experts(runner.model):
+    with resident_only_experts(runner.model):  # one executor swap for the whole draft pass
+        for j in range(max(lengths, default=0)):
+            live = [i for i, n in enumerate(lengths) if n > j]
+            ids, positions, slots, tables = [], [], [], []
+            for i in live:
+                req = requests[i]
+                pos = req.num_tokens - 1 + j
+                ids.append(drafts[i][-1] if j else req.token_ids[-1])
+                positions.append(pos)
+                table = coordinator.block_table(req.request_id)
+                slots.append(slot_of(table, pos, bs))
+                tables.append(table)
+            qsl = list(range(len(live) + 1))
+            meta = runner.attention_metadata(qsl, [p + 1 for p in positions], tables, slots)
+            state_caches, state_meta = None, None
+            if pool is not None:
+                live_rows = [rows[i] for i in live]
+                state_caches = pool.caches()
+                state_meta = StateMetadata(qsl, live_rows, torch.tensor(live_rows, dtype=torch.int64, device=dev))
+            rope = runner.rope_positions([(requests[i], p, p + 1) for i, p in zip(live, positions)])
             hidden = runner.model(torch.tensor(ids, dtype=torch.int64, device=dev), rope, runner.kv_caches, meta,
                                   state_caches, state_meta)  # [n, H]
-        for i, t in zip(live, runner.model.compute_logits(hidden).argmax(-1).tolist()):
-            drafts[i].append(t)
+            for i, t in zip(live, runner.model.compute_logits(hidden).argmax(-1).tolist()):
+                drafts[i].append(t)
     return drafts
