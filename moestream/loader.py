@@ -19,13 +19,15 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moestream.config import ModelConfig
-from moestream.experts.interface import ExpertStore
+from moestream.experts.interface import ExpertStore, PackedExpert, PackedLayout
 from moestream.experts.resident import ResidentExpertStore
-from moestream.experts.tiers import TensorLocation, read_safetensors_header
+from moestream.experts.tiers import DiskTier, TensorLocation, read_safetensors_header
 from moestream.layers.attention_backend import AttentionBackend
 from moestream.layers.router import TopKRouter
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.registry import get_model_class
+from moestream.quantization.method import PartSpec, QuantMethod
+from moestream.quantization.packed import packed_layout
 
 logger = logging.getLogger(__name__)
 
@@ -79,25 +81,46 @@ class CheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def locate(self, name: str, shape: Sequence[int]) -> TensorLocation:
-        """Where tensor `name` lies, checking it has `shape` and a floating-point dtype.
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of tensor `name` (which must be in the checkpoint)."""
+        return self._headers[self.weight_map[name]][name].dtype
+
+    def locate(self, name: str, shape: Sequence[int], part: PartSpec | None = None, quantized: str = "") -> TensorLocation:
+        """Where tensor `name` lies, checking it has `shape` and a floating-point dtype, or
+        for a stored tensor of a quantized weight (`part`, of the format `quantized`), one
+        of the part's shapes (each after the leading `shape`, e.g. [E] of fused experts)
+        and dtypes.
 
         Raises:
             ValueError: the tensor is missing, has another shape, or has a dtype outside
                 FLOAT_DTYPES (names the tensor, the file and the dtype).
         """
         if name not in self.weight_map:
+            if part is not None:
+                raise ValueError(f"checkpoint '{self.model_dir}' has no tensor '{name}', which its {quantized} "
+                                 "weight needs (missing scales or quantized values: is the checkpoint complete?)")
             raise ValueError(f"checkpoint '{self.model_dir}' has no tensor '{name}'")
         path = os.path.join(self.model_dir, self.weight_map[name])
         loc = self._headers[self.weight_map[name]].get(name)
         if loc is None:
             raise ValueError(f"tensor '{name}' is mapped to '{path}' but that file does not hold it")
+        if part is not None:
+            shapes = [[*shape, *s] for s in part.shapes]
+            if list(loc.shape) not in shapes:
+                raise ValueError(f"tensor '{name}' in '{path}' has shape {list(loc.shape)}; its {quantized} weight "
+                                 f"needs {' or '.join(map(str, shapes))}")
+            if loc.dtype not in part.dtypes:
+                raise ValueError(f"tensor '{name}' in '{path}' has dtype {str(loc.dtype).removeprefix('torch.')}; "
+                                 f"its {quantized} weight needs "
+                                 f"{' or '.join(str(d).removeprefix('torch.') for d in part.dtypes)}")
+            return loc
         if list(loc.shape) != list(shape):
             raise ValueError(f"tensor '{name}' in '{path}' has shape {list(loc.shape)}, expected {list(shape)}")
         if loc.dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"tensor '{name}' in '{path}' has dtype {str(loc.dtype).removeprefix('torch.')}; moestream loads only "
-                "floating-point weights (float32, bfloat16, float16, float64); quantized checkpoints are not supported"
+                "floating-point weights (float32, bfloat16, float16, float64) unless config.json's "
+                "quantization_config names the format (see docs/quantization.md)"
             )
         return loc
 
@@ -107,16 +130,34 @@ class CheckpointReader:
         Raises:
             ValueError: see `locate`, or the tensor's bytes cannot be read.
         """
-        loc = self.locate(name, shape)
+        return self._read(name, self.locate(name, shape))
+
+    def _read(self, name: str, loc: TensorLocation) -> torch.Tensor:
         try:
             return self._handles[self.weight_map[name]].get_tensor(name)
         except Exception as e:
             raise ValueError(f"cannot read tensor '{name}' from '{loc.path}' (unreadable or truncated?): {e}") from e
 
+    def get_weight(self, name: str, shape: Sequence[int], method: QuantMethod | None) -> torch.Tensor:
+        """Read a weight: as `get`, or, when `method` says that this [out, in] `.weight` is
+        stored quantized, its stored tensors dequantized to float32 (dense layers of a
+        quantized checkpoint: dequantized once, at load).
+
+        Raises:
+            ValueError: see `locate` (a stored tensor missing, misshapen or of the wrong dtype).
+        """
+        base = name.removesuffix(".weight")
+        if method is None or method.experts_only or base == name or len(shape) != 2 or not method.is_quantized(self, base):
+            return self.get(name, shape)
+        out_in = (shape[0], shape[1])
+        parts = {suffix: self._read(base + suffix, self.locate(base + suffix, (), spec, method.name))
+                 for suffix, spec in method.parts(base, out_in).items()}
+        return method.dequantize(parts, out_in)
+
 
 def build_model(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device,
-    backend: AttentionBackend, store: ExpertStore,
+    backend: AttentionBackend, store: ExpertStore, method: QuantMethod | None = None,
 ) -> MoEForCausalLM:
     """Build the model for `cfg` and fill its dense parameters from the checkpoint.
 
@@ -139,7 +180,7 @@ def build_model(
         module = model.get_submodule(module_name)
         # HF keeps DeepSeek's and GLM's routers in float32 (`_keep_in_fp32_modules_strict`)
         keep_fp32 = isinstance(module, TopKRouter) and module.config.float32
-        tensor = reader.get(hf, p.shape).to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
+        tensor = reader.get_weight(hf, p.shape, method).to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     _log_unread_layers(cfg, reader)
     model.eval()
@@ -253,6 +294,89 @@ def expert_locations(
             out[(layer, e)] = (reader.locate(gate, (inter, hidden)), reader.locate(up, (inter, hidden)),
                                reader.locate(down, (hidden, inter)))
     return out
+
+
+def packed_experts(
+    cfg: ModelConfig, reader: CheckpointReader, method: QuantMethod | None
+) -> tuple[PackedLayout, dict[tuple[int, int], tuple[TensorLocation, ...]]] | None:
+    """A quantized checkpoint's routed experts, kept packed: the layout of one expert's stored
+    tensors and (layer, expert) -> their byte locations, in the layout's order. Per-expert
+    tensors (`{gate,up,down}_proj` + the format's suffixes), or for formats stored fused
+    (`method.fused_experts`: MXFP4) slices [e] of the layer's `gate_up_proj{suffix}` [E, ...]
+    and `down_proj{suffix}` [E, ...], each contiguous in the file. None when the experts
+    are not stored quantized (no `method`, or the config leaves them unquantized).
+
+    Raises:
+        ValueError: a stored tensor missing, misshapen or of the wrong dtype (see
+            `CheckpointReader.locate`); names the tensor and the file.
+    """
+    if method is None:
+        return None
+    inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
+    if method.fused_experts:
+        matrices = (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter)))
+        def bases(layer: int, e: int) -> tuple[str, ...]:
+            return tuple(_prefixed(cfg, n.format(l=layer)) for n in FUSED_EXPERT_NAMES)
+    else:
+        matrices = (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
+        def bases(layer: int, e: int) -> tuple[str, ...]:
+            return tuple(n.removesuffix(".weight") for n in _expert_names(cfg, layer, e))
+    if not method.is_quantized(reader, bases(moe_layers[0], 0)[0]):
+        return None
+    specs = [(matrix, suffix, spec) for (matrix, shape), base in zip(matrices, bases(moe_layers[0], 0), strict=True)
+             for suffix, spec in method.parts(base, shape).items()]
+    lead = (num,) if method.fused_experts else ()
+    first = [reader.locate(base + suffix, lead, spec, method.name) for (matrix, suffix, spec), base in
+             zip(specs, _part_bases(specs, matrices, bases(moe_layers[0], 0)), strict=True)]
+    layout = packed_layout(method, matrices, [(m, suffix, loc.dtype, loc.shape[len(lead):])
+                                              for (m, suffix, _), loc in zip(specs, first, strict=True)])
+    out: dict[tuple[int, int], tuple[TensorLocation, ...]] = {}
+    for layer in moe_layers:
+        if method.fused_experts:
+            fused = [reader.locate(base + suffix, lead, spec, method.name) for (_, suffix, spec), base in
+                     zip(specs, _part_bases(specs, matrices, bases(layer, 0)), strict=True)]
+            for e in range(num):
+                out[(layer, e)] = tuple(
+                    dataclasses.replace(loc, name=f"{loc.name}[{e}]", offset=loc.offset + e * part.nbytes,
+                                        nbytes=part.nbytes, shape=part.shape)
+                    for loc, part in zip(fused, layout.parts, strict=True))
+            continue
+        for e in range(num):
+            locs = tuple(reader.locate(base + suffix, (), spec, method.name) for (_, suffix, spec), base in
+                         zip(specs, _part_bases(specs, matrices, bases(layer, e)), strict=True))
+            for loc, part in zip(locs, layout.parts, strict=True):
+                if loc.dtype != part.dtype or loc.shape != part.shape:
+                    raise ValueError(f"tensor '{loc.name}' in '{loc.path}' is {str(loc.dtype).removeprefix('torch.')} "
+                                     f"{list(loc.shape)}, unlike the other experts' "
+                                     f"{str(part.dtype).removeprefix('torch.')} {list(part.shape)}")
+            out[(layer, e)] = locs
+    return layout, out
+
+
+def _part_bases(specs: list, matrices: tuple, bases: tuple[str, ...]) -> list[str]:
+    """The checkpoint base name of each part in `specs` (matrix, suffix, spec), from each
+    matrix's base name."""
+    of = {m: b for (m, _), b in zip(matrices, bases, strict=True)}
+    return [of[m] for m, _, _ in specs]
+
+
+def load_packed_experts(
+    layout: PackedLayout, locations: dict[tuple[int, int], tuple[TensorLocation, ...]], num_experts: int,
+    device: torch.device, store: ResidentExpertStore,
+) -> None:
+    """Read every routed expert's packed bytes into `store` ([E, nbytes] uint8 per layer),
+    straight from the files by offset (`DiskTier.read_packed`)."""
+    disk = DiskTier(locations)
+    layers = sorted({layer for layer, _ in locations})
+    with tqdm(total=len(locations), desc="Loading experts", unit="expert", disable=None) as bar:
+        for layer in layers:
+            data = torch.empty(num_experts, layout.nbytes, dtype=torch.uint8, device=device)  # [E, nbytes]
+            for e in range(num_experts):
+                disk.read_packed((layer, e), PackedExpert(data[e], layout))
+                bar.update()
+            store.set_packed_layer(layer, data, layout)
+    disk.close()
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:

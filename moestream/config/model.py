@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moestream.config.quantization import QuantizationConfig
+
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "yarn", "llama3")
 
 
@@ -125,6 +127,7 @@ class ModelConfig:
     first fraction of head_dim. `o_proj_bias`: the attention output projection has a bias
     (Qwen3-MoE: as `attention_bias`; GLM-4.5: never). `mla`: DeepSeek's latent attention
     (then `head_dim` is the rope head dim, as HF sets it). `router`: the routing method.
+    `quantization`: the checkpoint's `quantization_config` (None: float weights).
     """
 
     model_type: str
@@ -167,6 +170,7 @@ class ModelConfig:
     o_proj_bias: bool | None = None
     mla: MLAConfig | None = None
     router: RouterConfig = RouterConfig()
+    quantization: QuantizationConfig | None = None
 
     @property
     def is_hybrid(self) -> bool:

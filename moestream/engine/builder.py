@@ -25,10 +25,19 @@ from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
+from moestream.quantization.method import make_quant_method
 from moestream.generation_config import default_sampling_fields
 from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
-from moestream.loader import CheckpointReader, build_model, expert_locations, load_resident_experts, load_tokenizer
+from moestream.loader import (
+    CheckpointReader,
+    build_model,
+    expert_locations,
+    load_packed_experts,
+    load_resident_experts,
+    load_tokenizer,
+    packed_experts,
+)
 from moestream.models.hf_config import model_config_from_hf
 from moestream.models.registry import get_model_class
 from moestream.multimodal.processor import MultiModalProcessor
@@ -127,10 +136,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     recorder = RoutingRecorder() if config.record_routing else None
     pinned = load_pin_profile(config.expert_pin_profile, mcfg) if config.expert_pin_profile else []
     moe_layers = [i for i, m in enumerate(mcfg.moe_layers) if m]
+    method = make_quant_method(mcfg.quantization) if mcfg.quantization is not None else None
+    packed = packed_experts(mcfg, reader, method)  # (layout, locations) when the experts are stored quantized
     elem = torch.tensor([], dtype=dtype).element_size()
     plan = plan_experts(config.expert_budget, len(moe_layers) * mcfg.num_experts,
-                        3 * mcfg.moe_intermediate_size * mcfg.hidden_size * elem, mcfg.num_experts_per_tok,
-                        len(pinned), config.expert_host_cache_bytes)
+                        packed[0].nbytes if packed else 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * elem,
+                        mcfg.num_experts_per_tok, len(pinned), config.expert_host_cache_bytes)
     elastic = _make_elastic_memory(config, mcfg, plan, max_model_len, dtype, device) if (
         config.enable_elastic_memory) else None
     store: ResidentExpertStore | PagedExpertStore
@@ -138,17 +149,20 @@ def build_engine(config: EngineConfig) -> EngineParts:
         store = ResidentExpertStore(recorder)
     else:
         store = PagedExpertStore(
-            expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
+            packed[1] if packed else expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
             mcfg.moe_intermediate_size, mcfg.hidden_size, dtype, device, plan.num_slots,
             plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolved_expert_prefetch,
             "slots" if device.type == "cuda" else "page_cache", mcfg.num_experts_per_tok, recorder,
             compute_in_place=device.type == "cpu",
             slot_views=elastic.expert_views() if elastic is not None else None,
+            layout=packed[0] if packed else None,
         )
-    model = build_model(mcfg, reader, dtype, device, TorchAttentionBackend(config.batch_invariant), store)
+    model = build_model(mcfg, reader, dtype, device, TorchAttentionBackend(config.batch_invariant), store, method)
     if config.batch_invariant:
         model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
-    if plan.resident:
+    if plan.resident and packed:
+        load_packed_experts(packed[0], packed[1], mcfg.num_experts, device, store)
+    elif plan.resident:
         load_resident_experts(mcfg, reader, dtype, device, store)
     vision = load_vision_encoder(mcfg.multimodal, reader, dtype, device) if mcfg.multimodal is not None else None
     mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend()) if (
@@ -185,7 +199,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     speculator = Speculator(sc, runner, coordinator, scheduler, max_model_len) if sc is not None else None
 
     _log_sizes(config, mcfg, model, plan, kv_cache, block_bytes, dtype, device, max_model_len, elastic, state_pool,
-               checkpoints)
+               checkpoints, packed is not None)
     return EngineParts(
         model_config=mcfg, tokenizer=tokenizer, device=device, dtype=dtype, default_sampling_fields=defaults,
         max_model_len=max_model_len, mm_processor=mm_processor, input_processor=input_processor, expert_plan=plan,
@@ -204,6 +218,9 @@ def _make_elastic_memory(config: EngineConfig, mcfg: ModelConfig, plan: ExpertPl
     Raises:
         ValueError: the experts are all resident, or the model has no attention layers.
     """
+    if mcfg.quantization is not None:
+        raise ValueError("enable_elastic_memory does not hold quantized (packed) experts yet; turn it off for "
+                         "quantized checkpoints")
     if plan.resident:
         raise ValueError("enable_elastic_memory shares memory between paged experts and the KV cache; give "
                          "an expert_budget below the routed experts' size (e.g. 0.5)")
@@ -256,7 +273,7 @@ def _log_kv_bytes(mcfg: ModelConfig, num_kv_layers: int, per_token: int, dtype: 
 def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, plan: ExpertPlan,
                kv_cache: KVCacheManager, block_bytes: int, dtype: torch.dtype, device: torch.device,
                max_model_len: int, elastic: ElasticMemory | None, pool: StatePool | None,
-               checkpoints: StateCheckpointPool | None) -> None:
+               checkpoints: StateCheckpointPool | None, packed: bool) -> None:
     """Log every start-up figure: dense and expert bytes, expert slots, KV blocks, elastic
     pages, state slots and checkpoints."""
     bs = config.block_size
@@ -277,6 +294,14 @@ def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, 
         logger.info("elastic memory: %d pages of %d bytes (one expert slot or %d KV blocks each), %d start as "
                     "expert slots and %d as KV blocks", st["num_pages"], st["page_bytes"], st["blocks_per_page"],
                     st["expert_pages"], st["kv_pages"])
+    if mcfg.quantization is not None:
+        bf16 = 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * 2
+        logger.info("quantized checkpoint (%s): %s; %s experts fit in %.1f MiB of device memory, against %d in bf16 "
+                    "(%.2fx); dense quantized weights dequantized to %s at load",
+                    mcfg.quantization.describe(),
+                    f"routed experts kept packed, {plan.expert_bytes} bytes each (bf16: {bf16})" if packed
+                    else "routed experts not quantized", plan.num_slots, plan.budget_bytes / 2**20,
+                    plan.budget_bytes // bf16, bf16 / plan.expert_bytes, str(dtype).removeprefix("torch."))
     if pool is None:
         return
     logger.info(

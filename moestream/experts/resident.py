@@ -8,12 +8,13 @@ from collections.abc import Sequence
 
 import torch
 
-from moestream.experts.interface import ExpertWeights
+from moestream.experts.interface import ExpertWeights, PackedExpert, PackedLayout
 from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 
 
 class ResidentExpertStore:
-    """Per MoE layer, stacked gate_up [E, 2I, H] and down [E, H, I]; `ensure` copies nothing.
+    """Per MoE layer, stacked gate_up [E, 2I, H] and down [E, H, I], or for a quantized
+    checkpoint the packed experts [E, nbytes] uint8 (`set_packed_layer`); `ensure` copies nothing.
 
     Hits are counted as the paged store counts them (`ExpertStats`): one per distinct expert
     a layer's forward routes to (the experts the paged executor `ensure`s), every one a hit.
@@ -28,6 +29,8 @@ class ResidentExpertStore:
     def __init__(self, recorder: RoutingRecorder | None = None) -> None:
         self._gate_up: dict[int, torch.Tensor] = {}
         self._down: dict[int, torch.Tensor] = {}
+        self._packed: dict[int, torch.Tensor] = {}  # layer -> [E, nbytes] uint8
+        self.layout: PackedLayout | None = None
         self.recorder = recorder
         self._hits: dict[int, torch.Tensor] = {}  # per layer: 0-dim int64 on the routed ids' device
 
@@ -36,16 +39,28 @@ class ResidentExpertStore:
         self._gate_up[layer] = gate_up
         self._down[layer] = down
 
+    def set_packed_layer(self, layer: int, data: torch.Tensor, layout: PackedLayout) -> None:
+        """Install layer `layer`'s packed experts: data [E, layout.nbytes] uint8."""
+        self._packed[layer] = data
+        self.layout = layout
+
+    def _num_experts(self, layer: int) -> int:
+        return (self._packed[layer] if self.layout is not None else self._gate_up[layer]).shape[0]
+
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s stacked experts: (gate_up [E, 2I, H], down [E, H, I])."""
         return self._gate_up[layer], self._down[layer]
 
-    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights | PackedExpert]:
+        if self.layout is not None:
+            return [PackedExpert(self._packed[layer][e], self.layout) for e in expert_ids]
         gu, dn = self._gate_up[layer], self._down[layer]
         return [ExpertWeights(gu[e], dn[e]) for e in expert_ids]
 
-    def resident_view(self, layer: int) -> dict[int, ExpertWeights]:
+    def resident_view(self, layer: int) -> dict[int, ExpertWeights | PackedExpert]:
         """Every expert of `layer`, by id (all are resident)."""
+        if self.layout is not None:
+            return dict(enumerate(self.ensure(layer, range(self._num_experts(layer)))))
         gu, dn = self._gate_up[layer], self._down[layer]
         return {e: ExpertWeights(gu[e], dn[e]) for e in range(gu.shape[0])}
 
@@ -55,7 +70,7 @@ class ResidentExpertStore:
     def on_route(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Count the distinct experts of topk_ids [T, k] as hits of `layer` (on the device, no
         host sync) and record the routing if recording."""
-        routed = torch.zeros(self._gate_up[layer].shape[0], dtype=torch.bool, device=topk_ids.device)  # [E]
+        routed = torch.zeros(self._num_experts(layer), dtype=torch.bool, device=topk_ids.device)  # [E]
         count = routed.index_fill_(0, topk_ids.flatten(), True).sum()  # 0-dim int64
         hits = self._hits.get(layer)
         if hits is None:
@@ -73,7 +88,7 @@ class ResidentExpertStore:
 
     def nbytes(self) -> int:
         """Bytes held by all routed experts."""
-        return sum(t.numel() * t.element_size() for d in (self._gate_up, self._down) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self._gate_up, self._down, self._packed) for t in d.values())
 
     def stats(self) -> dict:
         """Expert-cache metrics of a fully resident store: every access is a hit (counted as in

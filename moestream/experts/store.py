@@ -2,7 +2,8 @@
 cache and the checkpoint on disk (FluxMoE-style decoupled residency; MoE-Infinity-style
 activation-aware caching and prefetch).
 
-Each slot holds one expert's gate_up [2I, H] and down [H, I]; the pool is allocated once.
+Each slot holds one expert's gate_up [2I, H] and down [H, I], or for a quantized checkpoint
+its packed bytes (`PackedLayout`); the pool is allocated once.
 `ensure(layer, ids)` makes the ids resident (a miss is a synchronous, timed load: a stall)
 and returns views of their slots. Eviction follows a pluggable policy and never touches
 an expert of the current `ensure` call, a pinned expert, or one being loaded.
@@ -19,7 +20,7 @@ from collections.abc import Set as AbstractSet
 import torch
 
 from moestream.config import ModelConfig
-from moestream.experts.interface import ExpertKey, ExpertWeights
+from moestream.experts.interface import ExpertKey, ExpertWeights, PackedExpert, PackedLayout
 from moestream.experts.metrics import ExpertStats
 from moestream.experts.policy import EvictionPolicy
 from moestream.experts.prefetch import (
@@ -27,7 +28,7 @@ from moestream.experts.prefetch import (
     PrefetchQueue,
     start_prefetch_worker,
 )
-from moestream.experts.tiers import DiskTier, HostCache, TensorLocation
+from moestream.experts.tiers import DiskTier, HostCache, TensorLocation, copy_expert
 from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class PagedExpertStore:
     """Device slots <- host cache <- disk, for all MoE layers of one model.
 
     Args:
-        locations: (layer, expert) -> (gate, up, down) tensor locations in the checkpoint.
+        locations: (layer, expert) -> (gate, up, down) tensor locations in the checkpoint, or
+            with `layout`, its stored tensors in the layout's order.
         num_layers: decoder layers (stats are indexed by decoder layer).
         moe_layers: decoder indices of MoE layers, ascending.
         num_experts, inter, hidden: expert count and shapes (I, H).
@@ -70,6 +72,9 @@ class PagedExpertStore:
             answer is always "in place" and the arithmetic is the same (same tensors' values,
             same dtype, same kernels). On CUDA the in-place choice would run the expert on the
             CPU, whose float arithmetic differs from the GPU's, so it stays off there.
+        layout: a quantized checkpoint's `PackedLayout`: slots and the host cache hold each
+            expert's packed bytes (`layout.nbytes`, the `expert_bytes`), which the executor
+            dequantizes; None: dense experts in `dtype`.
 
     Raises:
         ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode or target.
@@ -77,7 +82,7 @@ class PagedExpertStore:
 
     def __init__(
         self,
-        locations: dict[ExpertKey, tuple[TensorLocation, TensorLocation, TensorLocation]],
+        locations: dict[ExpertKey, tuple[TensorLocation, ...]],
         num_layers: int,
         moe_layers: list[int],
         num_experts: int,
@@ -95,6 +100,7 @@ class PagedExpertStore:
         recorder: RoutingRecorder | None = None,
         compute_in_place: bool = False,
         slot_views: Sequence[ExpertWeights] | None = None,
+        layout: PackedLayout | None = None,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
@@ -109,16 +115,23 @@ class PagedExpertStore:
         self.pinned = frozenset(pinned)
         self.recorder = recorder
         self.metrics = ExpertStats(num_layers)
-        if slot_views is None:
+        if slot_views is not None and layout is not None:
+            raise ValueError("elastic memory does not hold packed (quantized) experts yet")
+        if slot_views is None and layout is not None:
+            data = torch.empty(num_slots, layout.nbytes, dtype=torch.uint8, device=device)  # [S, nbytes]
+            slot_views = [PackedExpert(data[i], layout) for i in range(num_slots)]
+        elif slot_views is None:
             gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)  # [S, 2I, H]
             down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)  # [S, H, I]
             slot_views = [ExpertWeights(gate_up[i], down[i]) for i in range(num_slots)]
-        self._views: dict[int, ExpertWeights] = dict(enumerate(slot_views[:num_slots]))  # slot id -> its memory
+        self._views: dict[int, ExpertWeights | PackedExpert] = dict(enumerate(slot_views[:num_slots]))  # slot -> memory
         self.min_slots = top_k + len(pinned)
-        self.expert_bytes = 3 * inter * hidden * torch.empty(0, dtype=dtype).element_size()
+        self.layout = layout
+        self.expert_bytes = layout.nbytes if layout is not None else (
+            3 * inter * hidden * torch.empty(0, dtype=dtype).element_size())
         self._disk = DiskTier(locations)
         self._prefetch_disk = DiskTier(locations)
-        self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda")
+        self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda", layout=layout)
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._loading: set[ExpertKey] = set()
@@ -165,7 +178,7 @@ class PagedExpertStore:
         with self._queue.lock:
             self.policy.on_hint([(layer, int(e)) for e in expert_ids])
 
-    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights | PackedExpert]:
         """Make `expert_ids` of `layer` resident and return their weights, in order: slot views,
         or host-cache buffers for misses computed in place (`compute_in_place`), all valid
         until the next `ensure`.
@@ -211,7 +224,7 @@ class PagedExpertStore:
                 out.append(self._views[slot])
         return out
 
-    def resident_view(self, layer: int) -> dict[int, ExpertWeights]:
+    def resident_view(self, layer: int) -> dict[int, ExpertWeights | PackedExpert]:
         """The experts of `layer` on the device now (not being loaded), by id: their slot
         views, valid until the next `ensure` or `resident_view`. Nothing is loaded and no
         hit, miss or access is counted (a `draft_experts` draft pass reads them)."""
@@ -291,20 +304,18 @@ class PagedExpertStore:
 
         Copies are synchronous: a host-cache buffer may be refilled right after this returns.
         """
-        gate_up, down = self._views[slot]
+        dst = self._views[slot]
         cached = self._host.get(key)
         if cached is not None:
-            gate_up.copy_(cached.gate_up)
-            down.copy_(cached.down)
+            copy_expert(dst, cached)
             self.metrics.bytes_read_host += self.expert_bytes
         else:
             buf = self._host.slot_for(key, keep)
             if buf is None:
-                self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, gate_up, down)
+                self.metrics.bytes_read_disk += (disk or self._disk).read(key, dst)
             else:
-                self.metrics.bytes_read_disk += (disk or self._disk).read_into(key, buf.gate_up, buf.down)
-                gate_up.copy_(buf.gate_up)
-                down.copy_(buf.down)
+                self.metrics.bytes_read_disk += (disk or self._disk).read(key, buf)
+                copy_expert(dst, buf)
         self._slot_of[key] = slot
         self.policy.on_insert(key)
 
@@ -335,9 +346,8 @@ class PagedExpertStore:
                 return
             self._loading.add(key)
             # The slot is reserved: read outside the lock, into the slot directly (no other thread touches it).
-        gate_up, down = self._views[slot]
         try:
-            nbytes = self._prefetch_disk.read_into(key, gate_up, down)
+            nbytes = self._prefetch_disk.read(key, self._views[slot])
         except Exception:
             # Give the slot back and wake any `ensure` waiting for this key: it loads the
             # expert itself, so a persistent read error surfaces there, on the engine thread.

@@ -8,6 +8,7 @@ header length N, a JSON header mapping tensor names to dtype, shape and data_off
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.experts.interface import ExpertKey, ExpertWeights
+from moestream.experts.interface import ExpertKey, ExpertWeights, PackedExpert, PackedLayout
 
 # safetensors dtype names -> torch. Non-float ones are parsed so that the loader can name them when it refuses them.
 _ST_DTYPES: dict[str, torch.dtype] = {
@@ -83,13 +84,16 @@ def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
 class DiskTier:
     """Reads experts' gate, up and down weights from the checkpoint files by offset.
 
-    `locations[key]` = (gate, up, down) TensorLocations with shapes [I, H], [I, H], [H, I].
-    Reads use `os.preadv` into a reusable staging buffer, then one dtype-converting copy
-    into the destination (the same conversion the resident loader does, so bit-exact).
+    Dense checkpoints: `locations[key]` = (gate, up, down) TensorLocations with shapes
+    [I, H], [I, H], [H, I]. Reads use `os.preadv` into a reusable staging buffer, then one
+    dtype-converting copy into the destination (the same conversion the resident loader
+    does, so bit-exact). Quantized checkpoints: `locations[key]` = the expert's stored
+    tensors in its `PackedLayout`'s order, read as bytes into a `PackedExpert` (straight
+    into it when it is in CPU memory), so a miss reads the compact bytes only.
     Not thread-safe: give each reading thread its own DiskTier.
     """
 
-    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, TensorLocation, TensorLocation]]) -> None:
+    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, ...]]) -> None:
         self.locations = locations
         self._fds: dict[str, int] = {}
         self._staging = bytearray()
@@ -108,6 +112,26 @@ class DiskTier:
         if got != loc.nbytes:
             raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
         return torch.frombuffer(view, dtype=loc.dtype).view(loc.shape)
+
+    def read(self, key: ExpertKey, dst: ExpertWeights | PackedExpert) -> int:
+        """Read expert `key` into `dst` (`read_packed` or `read_into`). Returns bytes read."""
+        if isinstance(dst, PackedExpert):
+            return self.read_packed(key, dst)
+        return self.read_into(key, dst.gate_up, dst.down)
+
+    def read_packed(self, key: ExpertKey, dst: PackedExpert) -> int:
+        """Read expert `key`'s stored tensors into dst.data at its layout's offsets. Returns bytes read."""
+        total = 0
+        for loc, part in zip(self.locations[key], dst.layout.parts, strict=True):
+            target = dst.data[part.offset : part.offset + part.nbytes]
+            if target.device.type == "cpu":
+                got = os.preadv(self._fd(loc.path), [memoryview(target.numpy())], loc.offset)
+                if got != loc.nbytes:
+                    raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
+            else:
+                target.copy_(self._read(dataclasses.replace(loc, dtype=torch.uint8, shape=(loc.nbytes,))))
+            total += loc.nbytes
+        return total
 
     def read_into(self, key: ExpertKey, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         """Copy expert `key` into gate_up [2I, H] and down [H, I] (any dtype/device). Returns bytes read."""
@@ -144,18 +168,40 @@ class DiskTier:
         self.close()
 
 
+def empty_expert(inter: int, hidden: int, dtype: torch.dtype, device: torch.device | str, pin: bool = False,
+                 layout: PackedLayout | None = None) -> ExpertWeights | PackedExpert:
+    """An uninitialised buffer for one expert: dense gate_up [2I, H] and down [H, I] in
+    `dtype`, or, with a `layout`, a PackedExpert of uint8 [layout.nbytes]."""
+    if layout is not None:
+        return PackedExpert(torch.empty(layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin), layout)
+    return ExpertWeights(torch.empty(2 * inter, hidden, dtype=dtype, device=device, pin_memory=pin),
+                         torch.empty(hidden, inter, dtype=dtype, device=device, pin_memory=pin))
+
+
+def copy_expert(dst: ExpertWeights | PackedExpert, src: ExpertWeights | PackedExpert) -> None:
+    """Copy one expert's buffers (both dense or both packed)."""
+    if isinstance(dst, PackedExpert):
+        dst.data.copy_(src.data)
+    else:
+        dst.gate_up.copy_(src.gate_up)
+        dst.down.copy_(src.down)
+
+
 class HostCache:
     """LRU cache of experts in host memory (pinned when the device is CUDA), in the compute
-    dtype, holding at most `capacity` experts. Thread-safety is the caller's (the store's lock)."""
+    dtype, or packed (`layout`: the checkpoint's quantized bytes), holding at most
+    `capacity` experts. Thread-safety is the caller's (the store's lock)."""
 
-    def __init__(self, capacity: int, inter: int, hidden: int, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(self, capacity: int, inter: int, hidden: int, dtype: torch.dtype, pin: bool,
+                 layout: PackedLayout | None = None) -> None:
         self.capacity = capacity
         self._shape = (inter, hidden)
         self._dtype = dtype
         self._pin = pin
-        self._entries: OrderedDict[ExpertKey, ExpertWeights] = OrderedDict()
+        self._layout = layout
+        self._entries: OrderedDict[ExpertKey, ExpertWeights | PackedExpert] = OrderedDict()
 
-    def get(self, key: ExpertKey) -> ExpertWeights | None:
+    def get(self, key: ExpertKey) -> ExpertWeights | PackedExpert | None:
         w = self._entries.get(key)
         if w is not None:
             self._entries.move_to_end(key)
@@ -165,7 +211,7 @@ class HostCache:
         """Whether `key` is cached (no LRU update)."""
         return key in self._entries
 
-    def slot_for(self, key: ExpertKey, keep: AbstractSet[ExpertKey] = frozenset()) -> ExpertWeights | None:
+    def slot_for(self, key: ExpertKey, keep: AbstractSet[ExpertKey] = frozenset()) -> ExpertWeights | PackedExpert | None:
         """A buffer to fill with `key`'s weights, evicting the least recently used entry not in
         `keep`; None if the capacity is 0 or every entry is in `keep`."""
         if self.capacity == 0:
@@ -176,11 +222,7 @@ class HostCache:
                 return None
             w = self._entries.pop(victim)
         else:
-            inter, hidden = self._shape
-            w = ExpertWeights(
-                torch.empty(2 * inter, hidden, dtype=self._dtype, pin_memory=self._pin),
-                torch.empty(hidden, inter, dtype=self._dtype, pin_memory=self._pin),
-            )
+            w = empty_expert(*self._shape, self._dtype, "cpu", self._pin, self._layout)
         self._entries[key] = w
         return w
 

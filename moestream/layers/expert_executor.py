@@ -35,10 +35,11 @@ from typing import Protocol
 
 import torch
 
-from moestream.experts.interface import ExpertStore, ExpertWeights
+from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.activation import silu
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
+from moestream.quantization.packed import dequantize_expert
 
 
 # Rows per chunk of `weighted_sum` (1024 x H float32: 2 MiB at H = 512).
@@ -56,8 +57,12 @@ class ExpertExecutor(Protocol):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
 
 
-def expert_swiglu(x: torch.Tensor, w: ExpertWeights, row_tile: int = 0) -> torch.Tensor:
-    """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype."""
+def expert_swiglu(x: torch.Tensor, w: ExpertWeights | PackedExpert, row_tile: int = 0) -> torch.Tensor:
+    """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype.
+    A packed (quantized) expert is dequantized to x's dtype first, into a scratch of one
+    expert that is freed when this returns."""
+    if isinstance(w, PackedExpert):
+        w = dequantize_expert(w, x.dtype)
     gate, up = linear(x, w.gate_up, row_tile=row_tile).chunk(2, dim=-1)  # [n, I] each
     # always the aligned silu: the resident executor runs it over all experts' rows at once,
     # the paged one per expert, and torch's scalar tail would round some elements otherwise
@@ -102,6 +107,14 @@ class ResidentExpertExecutor:
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
+        if self.store.layout is not None:  # packed experts: dequantized one at a time, as the paged executor does
+            order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+            counts_list = counts.tolist()
+            active = [e for e, c in enumerate(counts_list) if c]
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+            experts = dict(zip(active, self.store.ensure(self.layer_idx, active)))
+            return _loop(x, token_of, topk_weights.flatten()[order], counts_list, active, experts.__getitem__,
+                         self.row_tile, out)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
         if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
             # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
@@ -190,7 +203,7 @@ class PagedExpertExecutor:
 
 
 def _loop(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, counts: list[int],
-          experts: list[int], weights_of: Callable[[int], ExpertWeights], row_tile: int,
+          experts: list[int], weights_of: Callable[[int], ExpertWeights | PackedExpert], row_tile: int,
           out: torch.Tensor) -> torch.Tensor:
     """The per-expert loop: each expert of `experts` (ascending ids), its rows of the sorted
     pairs (token_of [T*k], pair_weight [T*k]; counts: pairs per expert) through

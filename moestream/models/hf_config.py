@@ -11,6 +11,7 @@ from typing import Any
 from moestream.config import ModelConfig, RopeConfig, RouterConfig, SUPPORTED_ROPE_TYPES
 from moestream.models.config_fields import REQUIRED, HFConfigFields, rope_fields
 from moestream.models.registry import MODEL_REGISTRY
+from moestream.quantization.config import quantization_from_hf
 
 
 def model_config_from_hf(model_dir: str) -> ModelConfig:
@@ -40,7 +41,7 @@ def model_config_from_dict(hf: dict[str, Any], path: str | None = None) -> Model
 
     Raises:
         ValueError: the `model_type` is not supported (the message lists the supported
-            ones), the checkpoint is quantized, a RoPE type is not supported, or a field
+            ones), a `quantization_config` moestream cannot read, a RoPE type is not supported, or a field
             the model type needs is missing, null, of the wrong type (bools are not
             numbers) or out of range. The message names the field and `path`.
     """
@@ -53,15 +54,7 @@ def model_config_from_dict(hf: dict[str, Any], path: str | None = None) -> Model
             f"{where}: unsupported model_type '{model_type}'; supported: {', '.join(MODEL_REGISTRY)}"
         )
     quant = hf.get("quantization_config")
-    if quant is not None:
-        method = (quant.get("quant_method") or "unspecified") if isinstance(quant, dict) else quant
-        block = quant.get("weight_block_size") if isinstance(quant, dict) else None
-        raise ValueError(
-            f"{where}: the checkpoint is quantized (quantization_config quant_method '{method}'"
-            + (f", weight_block_size {block}" if block else "")
-            + "); moestream loads float32 / bfloat16 / float16 weights only. Use a bf16 conversion of the "
-            "checkpoint (for DeepSeek-V3 FP8, the bf16 weights its repository's fp8_cast_bf16.py writes)"
-        )
+    quantization = quantization_from_hf(quant, where) if quant is not None else None
     model_class = MODEL_REGISTRY[model_type]
     f, extra = model_class.decoder_fields(HFConfigFields(hf, where, model_class.display_name))
     hidden = f.integer("hidden_size", minimum=1)
@@ -97,7 +90,7 @@ def model_config_from_dict(hf: dict[str, Any], path: str | None = None) -> Model
     if common.get("o_proj_bias") is None:
         common["o_proj_bias"] = common["attention_bias"]
     _check_model_fields(f, common)
-    return ModelConfig(**common)
+    return ModelConfig(**common, quantization=quantization)
 
 
 def _check_model_fields(f: "HFConfigFields", c: dict[str, Any]) -> None:

@@ -1,0 +1,97 @@
+"""`QuantMethod`: what a quantized weight format tells the loader and the expert executor.
+
+A linear weight W [out, in] named `base` ("model.layers.3.mlp.experts.7.gate_proj") is
+stored as a few tensors `base + suffix` (`parts`). `dequantize` turns those tensors back
+into W in float32, exactly (each format's formula is exact in float32: a small integer or
+an FP8 / FP4 value times a float16, bfloat16, float32 or power-of-two scale). One file per
+format: `fp8.py`, `compressed_tensors.py`, `gptq.py`, `mxfp4.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moestream.config.quantization import QuantizationConfig
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One stored tensor of a quantized weight: the shapes it may have (the first is the
+    canonical one) and the dtypes it may have."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
+class TensorIndex(Protocol):
+    """The loader's view of a checkpoint: which tensors it holds and their dtypes."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def dtype(self, name: str) -> torch.dtype: ...
+
+
+class QuantMethod(Protocol):
+    """A quantized weight format.
+
+    name: the config's description (for messages).
+    experts_only: the format quantizes routed experts only (MXFP4: gpt-oss keeps the rest in bf16).
+    fused_experts: routed experts are stored fused per layer ([E, ...] tensors; MXFP4).
+    is_quantized(index, base) -> whether weight `base` is stored quantized in the checkpoint.
+    parts(base, shape) -> {suffix: PartSpec} of the tensors holding W [out, in] = shape.
+    dequantize(parts, shape) -> W [out, in] float32 from {suffix: tensor}, exactly.
+    """
+
+    name: str
+    experts_only: bool
+    fused_experts: bool
+
+    def is_quantized(self, index: TensorIndex, base: str) -> bool: ...
+
+    def parts(self, base: str, shape: tuple[int, int]) -> dict[str, PartSpec]: ...
+
+    def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor: ...
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_quant_method(config: QuantizationConfig) -> QuantMethod:
+    """The `QuantMethod` of a parsed `quantization_config`.
+
+    Raises:
+        ValueError: FP8 on a torch build without float8_e4m3fn.
+    """
+    if config.method == "fp8":
+        from moestream.quantization.fp8 import Fp8Method
+
+        return Fp8Method(config)
+    if config.method == "compressed-tensors":
+        from moestream.quantization.compressed_tensors import CompressedTensorsMethod
+
+        return CompressedTensorsMethod(config)
+    if config.method == "gptq":
+        from moestream.quantization.gptq import GPTQMethod
+
+        return GPTQMethod(config)
+    from moestream.quantization.mxfp4 import MXFP4Method
+
+    return MXFP4Method(config)
+
+
+def check_float8() -> None:
+    """Refuse FP8 checkpoints on a torch build whose CPU cannot convert float8_e4m3fn.
+
+    Raises:
+        ValueError: torch has no float8_e4m3fn, or converting it to float32 fails.
+    """
+    try:
+        torch.zeros(1, dtype=torch.float8_e4m3fn).float()
+    except (AttributeError, RuntimeError, TypeError) as e:
+        raise ValueError(f"this torch build ({torch.__version__}) cannot read float8_e4m3fn weights ({e}); "
+                         "install a torch with FP8 support (2.1 or newer), or use a bf16 copy of the checkpoint") from e

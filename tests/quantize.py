@@ -1,0 +1,225 @@
+"""Quantize a tiny float checkpoint into each format moestream reads, and write its exact
+dequantization as a float32 checkpoint: the oracle HF runs.
+
+Written from the formats' specs, independently of `moestream/quantization/`: each weight
+is quantized here to integers / FP8 / FP4 codes and scales, the oracle's float32 weight is
+computed from those codes and scales, and only then are the codes packed into the stored
+layout (compressed-tensors' own `pack_to_int32` for its format; by hand for GPTQ, FP8 and
+MXFP4).
+
+    python tests/quantize.py SRC_DIR OUT_DIR ORACLE_DIR --format fp8-block
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+# name -> (quantization_config, which weights: "linear" = every 2-D weight of the decoder layers
+# but the router, "experts" = routed experts only)
+FORMATS: dict[str, dict] = {
+    "fp8-block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+    "ct-int4": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 8}}}},
+    "ct-int4-asym": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                         "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 16}}}},
+    "ct-int8-channel": {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}}},
+    "ct-fp8": {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                   "num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}}}},
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": False, "sym": True,
+             "checkpoint_format": "gptq"},
+    "gptq-desc-act": {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": True,
+                      "checkpoint_format": "gptq"},
+    "mxfp4": {"quant_method": "mxfp4"},
+}
+
+FP8_MAX = 448.0
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _quantized(name: str, t: torch.Tensor, fmt: str) -> bool:
+    if t.dim() != 2 or not name.endswith(".weight") or ".layers." not in name:
+        return False
+    if name.endswith("mlp.gate.weight"):  # the router stays in float
+        return False
+    return _is_expert(name) or fmt != "mxfp4"
+
+
+def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """FP8 e4m3 with one float32 scale per block (partial blocks at the edges)."""
+    out, inp = w.shape
+    br, bc = block
+    nr, nc = -(-out // br), -(-inp // bc)
+    scale = torch.empty(nr, nc)
+    deq = torch.empty_like(w)
+    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            s = blk.abs().max().clamp(min=1e-8) / FP8_MAX
+            scale[i, j] = s
+            qb = (blk / s).to(torch.float8_e4m3fn)
+            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = qb
+            deq[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = qb.float() * s
+    return {".weight": q, ".weight_scale_inv": scale}, deq
+
+
+def int_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Signed codes q [out, in] int8 in [-2^(b-1), 2^(b-1) - 1], scales [out, G] bf16 and
+    zero points [out, G] int8 (0 when symmetric), G groups of `group` columns (group = in:
+    per channel). W = (q - zp) * scale."""
+    out, inp = w.shape
+    lo_q, hi_q = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    g = w.reshape(out, inp // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / hi_q).clamp(min=1e-8).bfloat16()
+        zp = torch.zeros(scale.shape, dtype=torch.int8)
+    else:
+        mn, mx = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((mx - mn) / (hi_q - lo_q)).clamp(min=1e-8).bfloat16()
+        zp = torch.round(lo_q - mn / scale.float()).clamp(lo_q, hi_q).to(torch.int8)
+    q = torch.round(g / scale.float()[..., None] + zp[..., None].float()).clamp(lo_q, hi_q).to(torch.int8)
+    return q.reshape(out, inp), scale, zp
+
+
+def compressed_tensors(w: torch.Tensor, weights: dict, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    out, inp = w.shape
+    if weights["type"] == "float":  # FP8 with a float32 scale per output channel
+        scale = (w.abs().amax(1, keepdim=True).clamp(min=1e-8) / FP8_MAX)
+        q = (w / scale).to(torch.float8_e4m3fn)
+        return {".weight": q, ".weight_scale": scale}, q.float() * scale
+    bits, group = weights["num_bits"], weights.get("group_size") or inp
+    q, scale, zp = int_groups(w, bits, group, weights["symmetric"])
+    deq = ((q.float() - zp.float().repeat_interleave(group, 1)) * scale.float().repeat_interleave(group, 1))
+    parts = {".weight_packed": pack_to_int32(q, bits), ".weight_scale": scale,
+             ".weight_shape": torch.tensor([out, inp], dtype=torch.int64)}
+    if not weights["symmetric"]:
+        parts[".weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+    return parts, deq
+
+
+def _pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ packing along dim 0: v [n, m] unsigned codes -> int32 [n * bits / 32, m], value
+    (i, j) in bits (i % p) * bits of row i // p."""
+    p = 32 // bits
+    v = v.to(torch.int64).reshape(-1, p, v.shape[1])
+    packed = sum(v[:, k] << (k * bits) for k in range(p))  # [n / p, m] in 0 .. 2^32 - 1
+    return torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+
+
+def gptq(w: torch.Tensor, cfg: dict, generator: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """GPTQ v1 (zeros stored minus one), symmetric: codes 0..2^b - 1 around zero 2^(b-1)."""
+    out, inp = w.shape
+    bits, group = cfg["bits"], cfg["group_size"]
+    if cfg["desc_act"]:  # groups follow a random column order (act-order)
+        rank = torch.empty(inp, dtype=torch.int64)
+        rank[torch.randperm(inp, generator=generator)] = torch.arange(inp)
+        g_idx = (rank // group).to(torch.int32)
+    else:
+        g_idx = (torch.arange(inp) // group).to(torch.int32)
+    groups = -(-inp // group)
+    mid, top = 1 << (bits - 1), (1 << bits) - 1
+    scale = torch.zeros(groups, out)
+    for gi in range(groups):
+        cols = (g_idx == gi).nonzero().flatten()
+        scale[gi] = w[:, cols].abs().amax(1).clamp(min=1e-8) / (mid - 1)
+    scale = scale.half()
+    s = scale.float()[g_idx.long()]  # [in, out]
+    q = torch.round(w.t() / s + mid).clamp(0, top).to(torch.int64)  # [in, out]
+    deq = ((q - mid).float() * s).t()
+    zeros = torch.full((groups, out), mid - 1, dtype=torch.int64)  # v1: zero minus one
+    qzeros = _pack_rows(zeros.t(), bits).t().contiguous()  # packed along the output dim
+    return {".qweight": _pack_rows(q, bits), ".qzeros": qzeros, ".scales": scale, ".g_idx": g_idx}, deq
+
+
+def mxfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """OCP MXFP4: blocks of 32 input columns, an e8m0 exponent each, e2m1 codes (low nibble first)."""
+    out, inp = w.shape
+    blk = w.reshape(out, inp // 32, 32)
+    amax = blk.abs().amax(-1).clamp(min=2.0**-100)
+    exp = torch.floor(torch.log2(amax)) - 2  # 6 = 1.5 * 2^2 is e2m1's largest value
+    scaled = blk / torch.exp2(exp)[..., None]
+    codes = (scaled[..., None] - FP4_VALUES).abs().argmin(-1)  # [out, in/32, 32] nearest e2m1 value
+    deq = (FP4_VALUES[codes] * torch.exp2(exp)[..., None]).reshape(out, inp)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # [out, in/32, 16]
+    return {"_blocks": packed, "_scales": (exp + 127).to(torch.uint8)}, deq
+
+
+def quantize_checkpoint(src: str, dst: str, oracle: str, fmt: str, seed: int = 0) -> None:
+    """Write `dst` (the `fmt` checkpoint) and `oracle` (its exact dequantization, float32,
+    in `src`'s layout) from the float checkpoint `src`."""
+    cfg = FORMATS[fmt]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    stored: dict[str, torch.Tensor] = {}
+    deq_all: dict[str, torch.Tensor] = {}
+    gate_up: dict[tuple[str, int], list] = {}  # mxfp4: (layer prefix, expert) -> [(matrix, parts)]
+    for name, t in tensors.items():
+        if not _quantized(name, t, fmt):
+            stored[name] = t
+            continue
+        w = t.float()
+        if fmt == "fp8-block":
+            parts, deq = fp8_block(w, tuple(cfg["weight_block_size"]))
+        elif fmt.startswith("ct-"):
+            parts, deq = compressed_tensors(w, cfg["config_groups"]["group_0"]["weights"], cfg["format"])
+        elif fmt.startswith("gptq"):
+            parts, deq = gptq(w, cfg, generator)
+        else:
+            parts, deq = mxfp4(w)
+        deq_all[name] = deq
+        base = name.removesuffix(".weight")
+        if fmt != "mxfp4":
+            stored.update({base + s: v.contiguous() for s, v in parts.items()})
+            continue
+        # MXFP4 in gpt-oss's layout: fused per layer, gate rows then up rows (Qwen3-MoE's order)
+        prefix, rest = base.split(".mlp.experts.")
+        e, matrix = rest.split(".")
+        gate_up.setdefault((prefix, int(e)), []).append((matrix, parts))
+    if fmt == "mxfp4":
+        num = max(e for _, e in gate_up) + 1
+        for prefix in sorted({p for p, _ in gate_up}):
+            per = [dict(gate_up[(prefix, e)]) for e in range(num)]
+            for suffix in ("_blocks", "_scales"):
+                stored[f"{prefix}.mlp.experts.gate_up_proj{suffix}"] = torch.stack(
+                    [torch.cat((p["gate_proj"][suffix], p["up_proj"][suffix])) for p in per]).contiguous()
+                stored[f"{prefix}.mlp.experts.down_proj{suffix}"] = torch.stack(
+                    [p["down_proj"][suffix] for p in per]).contiguous()
+    for d in (dst, oracle):
+        os.makedirs(d, exist_ok=True)
+        for f in os.listdir(src):
+            if f != "model.safetensors":
+                shutil.copy(os.path.join(src, f), d)
+    save_file(stored, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_file({n: deq_all.get(n, t).contiguous() for n, t in tensors.items()}, os.path.join(oracle, "model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**config, "quantization_config": cfg}, f, indent=2)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("oracle")
+    ap.add_argument("--format", choices=sorted(FORMATS), required=True)
+    args = ap.parse_args()
+    quantize_checkpoint(args.src, args.dst, args.oracle, args.format)
