@@ -81,10 +81,11 @@ def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[dict[str, torch.
 def int_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Signed codes q [out, in] int8 in [-2^(b-1), 2^(b-1) - 1], scales [out, G] bf16 and
     zero points [out, G] int8 (0 when symmetric), G groups of `group` columns (group = in:
-    per channel). W = (q - zp) * scale."""
+    per channel; the last group may be partial). W = (q - zp) * scale."""
     out, inp = w.shape
     lo_q, hi_q = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    g = w.reshape(out, inp // group, group)
+    groups = -(-inp // group)
+    g = torch.nn.functional.pad(w, (0, groups * group - inp)).reshape(out, groups, group)
     if symmetric:
         scale = (g.abs().amax(-1) / hi_q).clamp(min=1e-8).bfloat16()
         zp = torch.zeros(scale.shape, dtype=torch.int8)
@@ -93,7 +94,7 @@ def int_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple
         scale = ((mx - mn) / (hi_q - lo_q)).clamp(min=1e-8).bfloat16()
         zp = torch.round(lo_q - mn / scale.float()).clamp(lo_q, hi_q).to(torch.int8)
     q = torch.round(g / scale.float()[..., None] + zp[..., None].float()).clamp(lo_q, hi_q).to(torch.int8)
-    return q.reshape(out, inp), scale, zp
+    return q.reshape(out, groups * group)[:, :inp].contiguous(), scale, zp
 
 
 def compressed_tensors(w: torch.Tensor, weights: dict, fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -106,7 +107,8 @@ def compressed_tensors(w: torch.Tensor, weights: dict, fmt: str) -> tuple[dict[s
         return {".weight": q, ".weight_scale": scale}, q.float() * scale
     bits, group = weights["num_bits"], weights.get("group_size") or inp
     q, scale, zp = int_groups(w, bits, group, weights["symmetric"])
-    deq = ((q.float() - zp.float().repeat_interleave(group, 1)) * scale.float().repeat_interleave(group, 1))
+    expand = lambda t: t.float().repeat_interleave(group, 1)[:, :inp]  # noqa: E731  [out, in]
+    deq = (q.float() - expand(zp)) * expand(scale)
     parts = {".weight_packed": pack_to_int32(q, bits), ".weight_scale": scale,
              ".weight_shape": torch.tensor([out, inp], dtype=torch.int64)}
     if not weights["symmetric"]:

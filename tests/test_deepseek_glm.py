@@ -218,8 +218,8 @@ _YARN = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddi
 
 
 @pytest.mark.parametrize("name, changes, message", [
-    ("deepseek_v2", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-     "quantized (quantization_config quant_method 'fp8', weight_block_size [128, 128])"),
+    ("deepseek_v2", dict(quantization_config={"quant_method": "awq", "bits": 4}),
+     "quantization_config quant_method 'awq' is not supported; moestream reads fp8, compressed-tensors, gptq, mxfp4"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "field 'topk_method' is 'noaux_tc'"),
     ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=3, topk_group=2),
      "field 'n_group' is 3; it must divide the 8 routed experts"),

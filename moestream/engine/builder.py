@@ -25,7 +25,7 @@ from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
-from moestream.quantization.method import make_quant_method
+from moestream.quantization.registry import make_quant_method
 from moestream.generation_config import default_sampling_fields
 from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading

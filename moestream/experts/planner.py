@@ -39,7 +39,8 @@ def plan_experts(
         expert_budget: None (all resident), a float fraction in (0, 1] of all routed-expert
             bytes, or an int number of bytes.
         num_experts_total: routed experts over all MoE layers.
-        expert_bytes: bytes of one expert (gate + up + down) in the compute dtype.
+        expert_bytes: bytes of one expert (gate + up + down) in the compute dtype, or its
+            packed bytes for a quantized checkpoint (`PackedLayout.nbytes`).
         top_k: experts per token in one layer.
         num_pinned: experts pinned resident.
         host_cache_bytes: bytes of the host-memory cache.

@@ -370,10 +370,13 @@ class PagedExpertStore:
             self._queue.cond.notify_all()
 
     def stats(self) -> dict:
-        """Metrics as a flat dict (see ExpertStats.as_dict), plus the pool's sizes."""
+        """Metrics as a flat dict (see ExpertStats.as_dict), plus the pool's sizes: every slot
+        is free or holds a resident expert (num_slots = free_slots + resident_experts between
+        steps, with no prefetch in flight: loading_experts 0)."""
         with self._queue.lock:
             d = self.metrics.as_dict()
-            d.update(num_slots=self.num_slots, expert_bytes=self.expert_bytes, resident_experts=len(self._slot_of),
+            d.update(num_slots=self.num_slots, free_slots=len(self._free), loading_experts=len(self._loading),
+                     expert_bytes=self.expert_bytes, resident_experts=len(self._slot_of),
                      host_cache_experts=len(self._host), policy=self.policy.name, prefetch=self.prefetch_mode)
             return d
 

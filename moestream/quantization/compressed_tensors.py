@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
 from moestream.config.quantization import QuantizationConfig
 from moestream.quantization.method import PartSpec, TensorIndex, cdiv, check_float8
@@ -38,6 +37,10 @@ class CompressedTensorsMethod:
         self.config = config
         self.name = config.describe()
         self.packed = config.format == "pack-quantized"
+        # imported here: the library takes a second or two to import, paid only by its checkpoints
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        self._unpack = unpack_from_int32
 
     def is_quantized(self, index: TensorIndex, base: str) -> bool:
         """Packed: `weight_packed` is there. Otherwise: `weight` is int8 / FP8 (a float weight
@@ -73,13 +76,13 @@ class CompressedTensorsMethod:
         """W [out, in] float32 = (q - zero_point) * scale, per group of `group_size` columns."""
         c, (out, inp) = self.config, shape
         if self.packed:
-            q = unpack_from_int32(parts[".weight_packed"], c.bits, torch.Size(shape))  # [out, in] int8
+            q = self._unpack(parts[".weight_packed"], c.bits, torch.Size(shape))  # [out, in] int8
         else:
             q = parts[".weight"]
         w = q.float()
         zp = parts.get(".weight_zero_point")
         if zp is not None and self.packed:
-            zp = unpack_from_int32(zp, c.bits, torch.Size((out, self._groups(inp))), packed_dim=0)  # [out, G]
+            zp = self._unpack(zp, c.bits, torch.Size((out, self._groups(inp))), packed_dim=0)  # [out, G]
         scale = parts[".weight_scale"].float()
         if c.strategy == "tensor":
             return w * scale.reshape(())

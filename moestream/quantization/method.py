@@ -61,29 +61,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_quant_method(config: QuantizationConfig) -> QuantMethod:
-    """The `QuantMethod` of a parsed `quantization_config`.
-
-    Raises:
-        ValueError: FP8 on a torch build without float8_e4m3fn.
-    """
-    if config.method == "fp8":
-        from moestream.quantization.fp8 import Fp8Method
-
-        return Fp8Method(config)
-    if config.method == "compressed-tensors":
-        from moestream.quantization.compressed_tensors import CompressedTensorsMethod
-
-        return CompressedTensorsMethod(config)
-    if config.method == "gptq":
-        from moestream.quantization.gptq import GPTQMethod
-
-        return GPTQMethod(config)
-    from moestream.quantization.mxfp4 import MXFP4Method
-
-    return MXFP4Method(config)
-
-
 def check_float8() -> None:
     """Refuse FP8 checkpoints on a torch build whose CPU cannot convert float8_e4m3fn.
 
