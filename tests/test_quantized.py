@@ -1,6 +1,6 @@
 """Quantized checkpoints (FP8 block-wise, compressed-tensors int4 / int8 / FP8, GPTQ with and
 without desc_act, MXFP4): greedy tokens and logits equal HF float32 on the exact
-dequantization (`tests/quantize.py`), resident and paged bit for bit at 25% and the minimum
+dequantization (`bench/quantize_checkpoint.py`), resident and paged bit for bit at 25% and the minimum
 budget, each miss reading the expert's stored bytes; refusals at start-up; no slot or
 block left behind after aborts and preemption."""
 
@@ -11,6 +11,7 @@ import math
 import os
 import random
 import shutil
+import sys
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ from moestream.experts.interface import PACKED_ALIGN
 from moestream.experts.tiers import read_safetensors_header
 from moestream.quantization.registry import make_quant_method
 from parity import LogitsRecorder, check_all, greedy_params
-from quantize import FORMATS, quantize_checkpoint
 from tiny_checkpoint import make_tiny_checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from quantize_checkpoint import FORMATS, quantize_checkpoint  # noqa: E402
 
 NUM_TOKENS = 32
 CASES = [("qwen3_moe", f) for f in FORMATS] + [

@@ -1,13 +1,16 @@
-"""Quantize a tiny float checkpoint into each format moestream reads, and write its exact
-dequantization as a float32 checkpoint: the oracle HF runs.
+"""Quantize a float checkpoint into one of the formats moestream reads, and optionally write
+its exact dequantization as a float32 checkpoint (the oracle HF runs in the tests).
 
 Written from the formats' specs, independently of `moestream/quantization/`: each weight
 is quantized here to integers / FP8 / FP4 codes and scales, the oracle's float32 weight is
 computed from those codes and scales, and only then are the codes packed into the stored
 layout (compressed-tensors' own `pack_to_int32` for its format; by hand for GPTQ, FP8 and
-MXFP4).
+MXFP4). Streams shard by shard (sharded input keeps its shard files), so the bench presets
+of several GiB fit in memory. Weights quantized: every 2-D `.weight` of the decoder layers
+but the router (MXFP4: routed experts only, fused per layer as gpt-oss stores them).
 
-    python tests/quantize.py SRC_DIR OUT_DIR ORACLE_DIR --format fp8-block
+    python bench/quantize_checkpoint.py SRC_DIR OUT_DIR --format ct-int4 [--group-size 128]
+    python bench/quantize_checkpoint.py SRC_DIR OUT_DIR --format fp8-block --oracle ORACLE_DIR
 """
 
 from __future__ import annotations
@@ -64,18 +67,11 @@ def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[dict[str, torch.
     out, inp = w.shape
     br, bc = block
     nr, nc = -(-out // br), -(-inp // bc)
-    scale = torch.empty(nr, nc)
-    deq = torch.empty_like(w)
-    q = torch.empty(out, inp, dtype=torch.float8_e4m3fn)
-    for i in range(nr):
-        for j in range(nc):
-            blk = w[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
-            s = blk.abs().max().clamp(min=1e-8) / FP8_MAX
-            scale[i, j] = s
-            qb = (blk / s).to(torch.float8_e4m3fn)
-            q[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = qb
-            deq[i * br:(i + 1) * br, j * bc:(j + 1) * bc] = qb.float() * s
-    return {".weight": q, ".weight_scale_inv": scale}, deq
+    padded = torch.nn.functional.pad(w, (0, nc * bc - inp, 0, nr * br - out)).reshape(nr, br, nc, bc)
+    scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-8) / FP8_MAX  # [nr, nc]
+    full = scale.repeat_interleave(br, 0)[:out].repeat_interleave(bc, 1)[:, :inp]  # [out, in]
+    q = (w / full).to(torch.float8_e4m3fn)
+    return {".weight": q, ".weight_scale_inv": scale}, q.float() * full
 
 
 def int_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,11 +133,8 @@ def gptq(w: torch.Tensor, cfg: dict, generator: torch.Generator) -> tuple[dict[s
         g_idx = (torch.arange(inp) // group).to(torch.int32)
     groups = -(-inp // group)
     mid, top = 1 << (bits - 1), (1 << bits) - 1
-    scale = torch.zeros(groups, out)
-    for gi in range(groups):
-        cols = (g_idx == gi).nonzero().flatten()
-        scale[gi] = w[:, cols].abs().amax(1).clamp(min=1e-8) / (mid - 1)
-    scale = scale.half()
+    amax = torch.zeros(groups, out).scatter_reduce_(0, g_idx.long()[:, None].expand(inp, out), w.abs().t(), "amax")
+    scale = (amax.clamp(min=1e-8) / (mid - 1)).half()  # [G, out]
     s = scale.float()[g_idx.long()]  # [in, out]
     q = torch.round(w.t() / s + mid).clamp(0, top).to(torch.int64)  # [in, out]
     deq = ((q - mid).float() * s).t()
@@ -163,65 +156,119 @@ def mxfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"_blocks": packed, "_scales": (exp + 127).to(torch.uint8)}, deq
 
 
-def quantize_checkpoint(src: str, dst: str, oracle: str, fmt: str, seed: int = 0) -> None:
-    """Write `dst` (the `fmt` checkpoint) and `oracle` (its exact dequantization, float32,
-    in `src`'s layout) from the float checkpoint `src`."""
-    cfg = FORMATS[fmt]
+def quantize_tensor(name: str, w: torch.Tensor, fmt: str, cfg: dict,
+                    generator: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One weight [out, in] -> ({suffix: stored tensor}, its exact dequantization float32)."""
+    if fmt == "fp8-block":
+        return fp8_block(w, tuple(cfg["weight_block_size"]))
+    if fmt.startswith("ct-"):
+        return compressed_tensors(w, cfg["config_groups"]["group_0"]["weights"], cfg["format"])
+    if fmt.startswith("gptq"):
+        return gptq(w, cfg, generator)
+    return mxfp4(w)
+
+
+def format_config(fmt: str, group_size: int | None = None) -> dict:
+    """The `quantization_config` of `fmt`, with its group size replaced when given."""
+    cfg = json.loads(json.dumps(FORMATS[fmt]))
+    if group_size is not None:
+        if fmt.startswith("gptq"):
+            cfg["group_size"] = group_size
+        elif fmt.startswith("ct-") and cfg["config_groups"]["group_0"]["weights"].get("group_size"):
+            cfg["config_groups"]["group_0"]["weights"]["group_size"] = group_size
+    return cfg
+
+
+def quantize_checkpoint(src: str, dst: str, oracle: str | None, fmt: str, seed: int = 0,
+                        group_size: int | None = None) -> dict:
+    """Write `dst` (the `fmt` checkpoint) and, when `oracle` is given, its exact
+    dequantization (float32, in `src`'s layout) from the float checkpoint `src`.
+    Returns {"stored_bytes": ..., "source_bytes": ...}."""
+    cfg = format_config(fmt, group_size)
     generator = torch.Generator().manual_seed(seed)
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    stored: dict[str, torch.Tensor] = {}
-    deq_all: dict[str, torch.Tensor] = {}
-    gate_up: dict[tuple[str, int], list] = {}  # mxfp4: (layer prefix, expert) -> [(matrix, parts)]
-    for name, t in tensors.items():
-        if not _quantized(name, t, fmt):
-            stored[name] = t
-            continue
-        w = t.float()
-        if fmt == "fp8-block":
-            parts, deq = fp8_block(w, tuple(cfg["weight_block_size"]))
-        elif fmt.startswith("ct-"):
-            parts, deq = compressed_tensors(w, cfg["config_groups"]["group_0"]["weights"], cfg["format"])
-        elif fmt.startswith("gptq"):
-            parts, deq = gptq(w, cfg, generator)
-        else:
-            parts, deq = mxfp4(w)
-        deq_all[name] = deq
-        base = name.removesuffix(".weight")
-        if fmt != "mxfp4":
-            stored.update({base + s: v.contiguous() for s, v in parts.items()})
-            continue
-        # MXFP4 in gpt-oss's layout: fused per layer, gate rows then up rows (Qwen3-MoE's order)
-        prefix, rest = base.split(".mlp.experts.")
-        e, matrix = rest.split(".")
-        gate_up.setdefault((prefix, int(e)), []).append((matrix, parts))
-    if fmt == "mxfp4":
-        num = max(e for _, e in gate_up) + 1
-        for prefix in sorted({p for p, _ in gate_up}):
-            per = [dict(gate_up[(prefix, e)]) for e in range(num)]
-            for suffix in ("_blocks", "_scales"):
-                stored[f"{prefix}.mlp.experts.gate_up_proj{suffix}"] = torch.stack(
-                    [torch.cat((p["gate_proj"][suffix], p["up_proj"][suffix])) for p in per]).contiguous()
-                stored[f"{prefix}.mlp.experts.down_proj{suffix}"] = torch.stack(
-                    [p["down_proj"][suffix] for p in per]).contiguous()
-    for d in (dst, oracle):
+    index = os.path.join(src, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    for d in [dst] + ([oracle] if oracle else []):
         os.makedirs(d, exist_ok=True)
         for f in os.listdir(src):
-            if f != "model.safetensors":
+            if not f.endswith(".safetensors") and f != "model.safetensors.index.json" and os.path.isfile(
+                    os.path.join(src, f)):
                 shutil.copy(os.path.join(src, f), d)
-    save_file(stored, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    save_file({n: deq_all.get(n, t).contiguous() for n, t in tensors.items()}, os.path.join(oracle, "model.safetensors"),
-              metadata={"format": "pt"})
+    weight_map: dict[str, str] = {}
+    oracle_map: dict[str, str] = {}
+    pending: dict[str, dict[int, dict[str, dict[str, torch.Tensor]]]] = {}  # mxfp4: layer prefix -> e -> matrix -> parts
+    stored_bytes = source_bytes = 0
+    num_experts = None
+    for fname in files:
+        tensors = load_file(os.path.join(src, fname))
+        stored: dict[str, torch.Tensor] = {}
+        deq_all: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            source_bytes += t.numel() * t.element_size()
+            if not _quantized(name, t, fmt):
+                stored[name] = t
+                continue
+            parts, deq = quantize_tensor(name, t.float(), fmt, cfg, generator)
+            if oracle:
+                deq_all[name] = deq
+            base = name.removesuffix(".weight")
+            if fmt != "mxfp4":
+                stored.update({base + s: v.contiguous() for s, v in parts.items()})
+                continue
+            prefix, rest = base.split(".mlp.experts.")
+            e, matrix = rest.split(".")
+            pending.setdefault(prefix, {}).setdefault(int(e), {})[matrix] = parts
+        if fmt == "mxfp4":  # a layer's fused tensors go out with the shard that completes it
+            num_experts = num_experts or _num_experts(src)
+            for prefix in [p for p, per in pending.items()
+                           if len(per) == num_experts and all(len(m) == 3 for m in per.values())]:
+                per = [pending[prefix][e] for e in range(num_experts)]
+                for suffix in ("_blocks", "_scales"):
+                    stored[f"{prefix}.mlp.experts.gate_up_proj{suffix}"] = torch.stack(
+                        [torch.cat((p["gate_proj"][suffix], p["up_proj"][suffix])) for p in per]).contiguous()
+                    stored[f"{prefix}.mlp.experts.down_proj{suffix}"] = torch.stack(
+                        [p["down_proj"][suffix] for p in per]).contiguous()
+                del pending[prefix]
+        save_file(stored, os.path.join(dst, fname), metadata={"format": "pt"})
+        stored_bytes += sum(t.numel() * t.element_size() for t in stored.values())
+        weight_map.update({n: fname for n in stored})
+        if oracle:
+            out = {n: deq_all.get(n, t).float().contiguous() for n, t in tensors.items()}
+            save_file(out, os.path.join(oracle, fname), metadata={"format": "pt"})
+            oracle_map.update({n: fname for n in out})
+        del tensors, stored, deq_all
+    if pending:
+        raise ValueError(f"experts of {sorted(pending)} are incomplete in '{src}'")
+    if len(files) > 1:
+        for d, m in [(dst, weight_map)] + ([(oracle, oracle_map)] if oracle else []):
+            with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {}, "weight_map": m}, f, indent=2)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump({**config, "quantization_config": cfg}, f, indent=2)
+    if oracle:
+        with open(os.path.join(oracle, "config.json"), "w") as f:
+            json.dump({**config, "torch_dtype": "float32", "dtype": "float32"}, f, indent=2)
+    return {"stored_bytes": stored_bytes, "source_bytes": source_bytes}
+
+
+def _num_experts(src: str) -> int:
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    return cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"]
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("oracle")
+    ap.add_argument("src", help="float checkpoint directory (single file or sharded)")
+    ap.add_argument("dst", help="directory for the quantized checkpoint")
     ap.add_argument("--format", choices=sorted(FORMATS), required=True)
+    ap.add_argument("--oracle", help="also write the exact float32 dequantization here")
+    ap.add_argument("--group-size", type=int, help="group size of the int formats (default: the format's)")
     args = ap.parse_args()
-    quantize_checkpoint(args.src, args.dst, args.oracle, args.format)
+    print(quantize_checkpoint(args.src, args.dst, args.oracle, args.format, group_size=args.group_size))
