@@ -169,10 +169,12 @@ def quantize_tensor(name: str, w: torch.Tensor, fmt: str, cfg: dict,
 
 
 def format_config(fmt: str, group_size: int | None = None) -> dict:
-    """The `quantization_config` of `fmt`, with its group size replaced when given."""
+    """The `quantization_config` of `fmt`, with its group size (FP8: block size) replaced when given."""
     cfg = json.loads(json.dumps(FORMATS[fmt]))
     if group_size is not None:
-        if fmt.startswith("gptq"):
+        if fmt == "fp8-block":
+            cfg["weight_block_size"] = [group_size, group_size]
+        elif fmt.startswith("gptq"):
             cfg["group_size"] = group_size
         elif fmt.startswith("ct-") and cfg["config_groups"]["group_0"]["weights"].get("group_size"):
             cfg["config_groups"]["group_0"]["weights"]["group_size"] = group_size
@@ -269,6 +271,6 @@ if __name__ == "__main__":
     ap.add_argument("dst", help="directory for the quantized checkpoint")
     ap.add_argument("--format", choices=sorted(FORMATS), required=True)
     ap.add_argument("--oracle", help="also write the exact float32 dequantization here")
-    ap.add_argument("--group-size", type=int, help="group size of the int formats (default: the format's)")
+    ap.add_argument("--group-size", type=int, help="group size of the int formats, block size of fp8-block (default: the format's)")
     args = ap.parse_args()
     print(quantize_checkpoint(args.src, args.dst, args.oracle, args.format, group_size=args.group_size))

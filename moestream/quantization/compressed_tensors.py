@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from moestream.config.quantization import QuantizationConfig
-from moestream.quantization.method import PartSpec, TensorIndex, cdiv, check_float8
+from moestream.quantization.method import Float8Decoder, PartSpec, TensorIndex, cdiv, check_float8
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -37,6 +37,7 @@ class CompressedTensorsMethod:
         self.config = config
         self.name = config.describe()
         self.packed = config.format == "pack-quantized"
+        self._decode = Float8Decoder()
         # imported here: the library takes a second or two to import, paid only by its checkpoints
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
@@ -79,13 +80,19 @@ class CompressedTensorsMethod:
             q = self._unpack(parts[".weight_packed"], c.bits, torch.Size(shape))  # [out, in] int8
         else:
             q = parts[".weight"]
-        w = q.float()
+        w = self._decode(q) if q.dtype == torch.float8_e4m3fn else q.float()
         zp = parts.get(".weight_zero_point")
         if zp is not None and self.packed:
             zp = self._unpack(zp, c.bits, torch.Size((out, self._groups(inp))), packed_dim=0)  # [out, G]
         scale = parts[".weight_scale"].float()
         if c.strategy == "tensor":
             return w * scale.reshape(())
+        if c.strategy == "group" and inp % c.group_size == 0:  # whole groups: broadcast over [out, G, group]
+            g = inp // c.group_size
+            w = w.view(out, g, c.group_size)
+            if zp is not None:
+                w = w - zp.float()[..., None]
+            return (w * scale[..., None]).view(out, inp)
         if c.strategy == "group":
             expand = lambda t: t.repeat_interleave(c.group_size, 1)[:, :inp]  # noqa: E731  [out, in]
         else:

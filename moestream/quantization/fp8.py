@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from moestream.config.quantization import QuantizationConfig
-from moestream.quantization.method import PartSpec, TensorIndex, cdiv, check_float8
+from moestream.quantization.method import Float8Decoder, PartSpec, TensorIndex, cdiv, check_float8
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,6 +30,7 @@ class Fp8Method:
         self.block = config.weight_block_size
         self.name = config.describe()
         self.scale_suffix = ".weight_scale_inv" if self.block else ".weight_scale"
+        self._decode = Float8Decoder()
 
     def is_quantized(self, index: TensorIndex, base: str) -> bool:
         """Stored as FP8: its `weight` is float8_e4m3fn (its scale must then be there too)."""
@@ -47,9 +48,12 @@ class Fp8Method:
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """W [out, in] float32 = weight * its block's scale."""
         out, inp = shape
-        w, scale = parts[".weight"].float(), parts[self.scale_suffix].float()
+        w, scale = self._decode(parts[".weight"]), parts[self.scale_suffix].float()
         if not self.block:
             return w * scale.reshape(())
         br, bc = self.block
+        nr, nc = scale.shape
+        if out == nr * br and inp == nc * bc:  # whole blocks: broadcast, no [out, in] scale
+            return (w.view(nr, br, nc, bc) * scale[:, None, :, None]).view(out, inp)
         scale = scale.repeat_interleave(br, 0)[:out].repeat_interleave(bc, 1)[:, :inp]  # [out, in]
         return w * scale

@@ -61,6 +61,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class Float8Decoder:
+    """float8_e4m3fn -> float32 through a 256-entry table of torch's own conversion of every
+    code (so the values are identical), one table per device. On CPU, torch converts FP8
+    element by element in scalar code; the table lookup (`index_select`) is about 6x faster."""
+
+    def __init__(self) -> None:
+        self._tables: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """t: float8_e4m3fn [...] -> float32 [...]."""
+        table = self._tables.get(t.device)
+        if table is None:
+            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+            table = self._tables[t.device] = codes.float().to(t.device)  # [256]
+        return table.index_select(0, t.reshape(-1).view(torch.uint8).int()).view(t.shape)
+
+
 def check_float8() -> None:
     """Refuse FP8 checkpoints on a torch build whose CPU cannot convert float8_e4m3fn.
 
