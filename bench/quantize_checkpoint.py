@@ -192,8 +192,8 @@ def quantize_checkpoint(src: str, dst: str, oracle: str | None, fmt: str, seed: 
     if os.path.isfile(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    else:  # every file, as moestream reads a directory without an index (e.g. model + mtp.safetensors)
+        files = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))
     for d in [dst] + ([oracle] if oracle else []):
         os.makedirs(d, exist_ok=True)
         for f in os.listdir(src):
@@ -245,7 +245,7 @@ def quantize_checkpoint(src: str, dst: str, oracle: str | None, fmt: str, seed: 
         del tensors, stored, deq_all
     if pending:
         raise ValueError(f"experts of {sorted(pending)} are incomplete in '{src}'")
-    if len(files) > 1:
+    if os.path.isfile(index):
         for d, m in [(dst, weight_map)] + ([(oracle, oracle_map)] if oracle else []):
             with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {}, "weight_map": m}, f, indent=2)

@@ -193,3 +193,20 @@ def test_fp8_refused_without_float8(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_elastic_memory_refused(quantized) -> None:
     with pytest.raises(ValueError, match="does not hold quantized"):
         LLM(quantized("qwen3_moe", "mxfp4")[0], dtype="float32", expert_budget=0.5, enable_elastic_memory=True)
+
+
+def test_hybrid_fp8_with_mtp(qwen3_next_dir: str, tmp_path) -> None:
+    """Qwen3-Next in FP8 (its Gated DeltaNet projections and MTP layer quantized too): HF
+    parity on the dequantized oracle, and MTP speculation gives the same tokens as without."""
+    from test_spec_decode_mtp import SPEC, add_mtp_weights
+
+    src = add_mtp_weights(qwen3_next_dir, str(tmp_path / "float"))
+    q, oracle = str(tmp_path / "fp8"), str(tmp_path / "oracle")
+    quantize_checkpoint(src, q, oracle, "fp8-block")
+    assert "mtp.layers.0.self_attn.q_proj.weight_scale_inv" in load_file(os.path.join(q, "mtp.safetensors"))
+    prompts = parity_prompts()[:4]
+    plain = _run(LLM(q, dtype="float32", max_model_len=256), prompts)
+    check_all(prompts, plain, HFReference(oracle), "qwen3_next fp8-block")
+    spec = LLM(q, dtype="float32", max_model_len=256, speculative_config=SPEC)
+    assert [t for t, _ in _run(spec, prompts)] == [t for t, _ in plain]
+    assert spec.spec_decode_stats()["num_drafts"] > 0

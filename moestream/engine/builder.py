@@ -165,7 +165,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     elif plan.resident:
         load_resident_experts(mcfg, reader, dtype, device, store)
     vision = load_vision_encoder(mcfg.multimodal, reader, dtype, device) if mcfg.multimodal is not None else None
-    mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend()) if (
+    mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend(), method) if (
         sc is not None and sc.method == "mtp") else None
     packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
     if packed:

@@ -29,6 +29,7 @@ from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request
 from moestream.experts.resident import ResidentExpertStore
+from moestream.quantization.method import QuantMethod
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Linear
 from moestream.layers.norm import RMSNorm
@@ -69,8 +70,9 @@ def has_mtp(weight_names: object) -> bool:
 
 
 def load_mtp(cfg: ModelConfig, reader, dtype: torch.dtype, device: torch.device,
-             backend: AttentionBackend) -> MTPLayer:
-    """Build the MTP layer and read its weights (`mtp.*`) from `reader` (a CheckpointReader).
+             backend: AttentionBackend, method: QuantMethod | None = None) -> MTPLayer:
+    """Build the MTP layer and read its weights (`mtp.*`) from `reader` (a CheckpointReader);
+    weights a quantized checkpoint stores quantized (`method`) are dequantized, experts too.
 
     Raises:
         ValueError: the checkpoint has no `mtp.*` weights (the message says so and what to
@@ -83,7 +85,7 @@ def load_mtp(cfg: ModelConfig, reader, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         mtp = MTPLayer(cfg, backend, store, device)
     for name, p in list(mtp.named_parameters()):
-        tensor = reader.get(MTP_PREFIX + name, p.shape).to(device=device, dtype=dtype)
+        tensor = reader.get_weight(MTP_PREFIX + name, p.shape, method).to(device=device, dtype=dtype)
         module_name, _, leaf = name.rpartition(".")
         mtp.get_submodule(module_name)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     inter, hidden, layer = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_layers
@@ -91,9 +93,9 @@ def load_mtp(cfg: ModelConfig, reader, dtype: torch.dtype, device: torch.device,
     down = torch.empty(cfg.num_experts, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
     for e in range(cfg.num_experts):
         base = f"{MTP_PREFIX}layers.0.mlp.experts.{e}."
-        gate_up[e, :inter] = reader.get(base + "gate_proj.weight", (inter, hidden))
-        gate_up[e, inter:] = reader.get(base + "up_proj.weight", (inter, hidden))
-        down[e] = reader.get(base + "down_proj.weight", (hidden, inter))
+        gate_up[e, :inter] = reader.get_weight(base + "gate_proj.weight", (inter, hidden), method)
+        gate_up[e, inter:] = reader.get_weight(base + "up_proj.weight", (inter, hidden), method)
+        down[e] = reader.get_weight(base + "down_proj.weight", (hidden, inter), method)
     store.set_layer(layer, gate_up, down)
     mtp.eval()
     return mtp
