@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from expert_offload import drop_page_cache  # noqa: E402
 from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
 
 # format name -> (bench/quantize_checkpoint.py format, group / block size); None = the bf16 checkpoint
@@ -58,17 +59,6 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
     rng = random.Random(0)
     return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(n)]
-
-
-def drop_page_cache(path: str) -> None:
-    """Evict the checkpoint's files from the OS page cache (cold disk)."""
-    for f in os.listdir(path):
-        if f.endswith(".safetensors"):
-            fd = os.open(os.path.join(path, f), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def run_worker(spec: dict) -> dict:
@@ -121,8 +111,6 @@ def experts_per_gib(trace: str | None, budget_fraction: float) -> dict:
     """Per format: packed bytes of one DeepSeek-V2-Lite expert (moestream's layout of the
     format's stored tensors), experts per GiB and, with a trace, the hit rate at one byte
     budget (`budget_fraction` of the bf16 experts) with each format's slot count (the first 200 prompts, LRU and next_use)."""
-    import torch
-
     from moestream.config.quantization import QuantizationConfig
     from moestream.experts.policy import make_policy
     from moestream.quantization.packed import packed_layout
@@ -152,7 +140,6 @@ def experts_per_gib(trace: str | None, budget_fraction: float) -> dict:
             for policy in ("lru", "next_use"):
                 res = simulate(rt, make_policy(policy), row["slots_at_budget"])
                 row[f"hit_rate_{policy}"] = res.hits / max(res.hits + res.misses, 1)
-    del torch
     return {"budget_bytes": budget, "budget_fraction": budget_fraction, "shape": TRACE_SHAPE, "formats": out}
 
 

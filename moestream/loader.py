@@ -324,18 +324,20 @@ def packed_experts(
             return tuple(n.removesuffix(".weight") for n in _expert_names(cfg, layer, e))
     if not method.is_quantized(reader, bases(moe_layers[0], 0)[0]):
         return None
-    specs = [(matrix, suffix, spec) for (matrix, shape), base in zip(matrices, bases(moe_layers[0], 0), strict=True)
-             for suffix, spec in method.parts(base, shape).items()]
-    lead = (num,) if method.fused_experts else ()
-    first = [reader.locate(base + suffix, lead, spec, method.name) for (matrix, suffix, spec), base in
-             zip(specs, _part_bases(specs, matrices, bases(moe_layers[0], 0)), strict=True)]
+    lead = (num,) if method.fused_experts else ()  # fused tensors: [E, *part shape]
+
+    def locate(layer: int, e: int) -> list[tuple[str, str, TensorLocation]]:
+        """(matrix, suffix, location) of each stored part of expert e (fused: of the layer)."""
+        return [(matrix, suffix, reader.locate(base + suffix, lead, spec, method.name))
+                for (matrix, shape), base in zip(matrices, bases(layer, e), strict=True)
+                for suffix, spec in method.parts(base, shape).items()]
+
     layout = packed_layout(method, matrices, [(m, suffix, loc.dtype, loc.shape[len(lead):])
-                                              for (m, suffix, _), loc in zip(specs, first, strict=True)])
+                                              for m, suffix, loc in locate(moe_layers[0], 0)])
     out: dict[tuple[int, int], tuple[TensorLocation, ...]] = {}
     for layer in moe_layers:
         if method.fused_experts:
-            fused = [reader.locate(base + suffix, lead, spec, method.name) for (_, suffix, spec), base in
-                     zip(specs, _part_bases(specs, matrices, bases(layer, 0)), strict=True)]
+            fused = [loc for _, _, loc in locate(layer, 0)]
             for e in range(num):
                 out[(layer, e)] = tuple(
                     dataclasses.replace(loc, name=f"{loc.name}[{e}]", offset=loc.offset + e * part.nbytes,
@@ -343,8 +345,7 @@ def packed_experts(
                     for loc, part in zip(fused, layout.parts, strict=True))
             continue
         for e in range(num):
-            locs = tuple(reader.locate(base + suffix, (), spec, method.name) for (_, suffix, spec), base in
-                         zip(specs, _part_bases(specs, matrices, bases(layer, e)), strict=True))
+            locs = tuple(loc for _, _, loc in locate(layer, e))
             for loc, part in zip(locs, layout.parts, strict=True):
                 if loc.dtype != part.dtype or loc.shape != part.shape:
                     raise ValueError(f"tensor '{loc.name}' in '{loc.path}' is {str(loc.dtype).removeprefix('torch.')} "
@@ -352,13 +353,6 @@ def packed_experts(
                                      f"{str(part.dtype).removeprefix('torch.')} {list(part.shape)}")
             out[(layer, e)] = locs
     return layout, out
-
-
-def _part_bases(specs: list, matrices: tuple, bases: tuple[str, ...]) -> list[str]:
-    """The checkpoint base name of each part in `specs` (matrix, suffix, spec), from each
-    matrix's base name."""
-    of = {m: b for (m, _), b in zip(matrices, bases, strict=True)}
-    return [of[m] for m, _, _ in specs]
 
 
 def load_packed_experts(

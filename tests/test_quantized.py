@@ -108,9 +108,9 @@ def test_host_cache_holds_packed_experts(quantized) -> None:
     got = _run(llm, prompts)
     assert [t for t, _ in got] == [t for t, _ in want]
     st = llm.expert_stats()
-    _, padded = _stored_expert_bytes(qdir, 0, 8)
+    stored, _ = _stored_expert_bytes(qdir, 0, 8)
     assert st["host_computed"] > 0 and st["host_cache_experts"] == 16
-    assert st["bytes_read_per_tier"]["disk"] == 16 * _stored_expert_bytes(qdir, 0, 8)[0]  # each expert read once
+    assert st["bytes_read_per_tier"]["disk"] == 16 * stored  # each expert read from disk once
 
 
 def test_no_leaks_after_abort_and_preemption(quantized) -> None:
