@@ -220,7 +220,7 @@ def test_integer_weights_are_refused(
     save_file(tensors, path)
     name = str(dtype).removeprefix("torch.")
     message = (f"tensor '{tensor}' in '{path}' has dtype {name}; moestream loads only floating-point weights "
-               "(float32, bfloat16, float16, float64); quantized checkpoints are not supported")
+               "(float32, bfloat16, float16, float64) unless config.json's quantization_config names the format")
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(d, dtype="float32", max_model_len=64, **llm_kwargs)
 

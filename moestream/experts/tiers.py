@@ -75,7 +75,7 @@ def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
         if dtype is None:
             raise ValueError(
                 f"tensor '{name}' in '{path}' has dtype {st_dtype}, which moestream cannot read; moestream loads only "
-                "floating-point weights (float32, bfloat16, float16, float64); quantized checkpoints are not supported"
+                "floating-point weights (float32, bfloat16, float16, float64) and the quantized formats of docs/quantization.md"
             )
         out[name] = TensorLocation(path, name, base + begin, end - begin, dtype, shape)
     return out
