@@ -251,7 +251,7 @@ class _FailingDisk:
     def __init__(self) -> None:
         self.calls = 0
 
-    def read_into(self, key, gate_up, down) -> int:
+    def read(self, key, dst) -> int:
         self.calls += 1
         raise OSError(f"injected read error for {key}")
 
