@@ -218,6 +218,11 @@ def _prefixed(cfg: ModelConfig, name: str) -> str:
 FUSED_EXPERT_NAMES = ("model.layers.{l}.mlp.experts.gate_up_proj", "model.layers.{l}.mlp.experts.down_proj")
 
 
+def _transposed(cfg: ModelConfig) -> bool:
+    """Whether the model's fused expert tensors are stored x @ W ([E, H, 2I], [E, I, H])."""
+    return get_model_class(cfg.model_type).fused_experts_transposed
+
+
 def _fused_names(cfg: ModelConfig, reader: CheckpointReader, layer: int) -> tuple[str, str] | None:
     """The fused 3-D expert tensors of `layer` when the checkpoint stores them instead of
     per-expert ones (a per-expert name wins when both are present); else None."""
@@ -231,7 +236,8 @@ def load_resident_experts(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
 ) -> None:
     """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]),
-    from per-expert tensors or the fused 3-D ones (`FUSED_EXPERT_NAMES`).
+    from per-expert tensors or the fused 3-D ones (`FUSED_EXPERT_NAMES`; transposed for a
+    model class with `fused_experts_transposed`, gpt-oss, and transposed back here).
 
     Raises:
         ValueError: see CheckpointReader (a missing, misshapen or non-float tensor, or an
@@ -242,6 +248,12 @@ def load_resident_experts(
     with tqdm(total=len(moe_layers) * num, desc="Loading experts", unit="expert", disable=None) as bar:
         for layer in moe_layers:
             fused = _fused_names(cfg, reader, layer)
+            if fused is not None and _transposed(cfg):  # [E, H, 2I] and [E, I, H], multiplied as x @ W
+                gate_up = reader.get(fused[0], (num, hidden, 2 * inter)).to(device=device, dtype=dtype)
+                down = reader.get(fused[1], (num, inter, hidden)).to(device=device, dtype=dtype)
+                store.set_layer(layer, gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous())
+                bar.update(num)
+                continue
             if fused is not None:
                 gate_up = reader.get(fused[0], (num, 2 * inter, hidden)).to(device=device, dtype=dtype)
                 down = reader.get(fused[1], (num, hidden, inter)).to(device=device, dtype=dtype)
@@ -265,7 +277,9 @@ def expert_locations(
     """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
     With fused 3-D tensors (`FUSED_EXPERT_NAMES`) these are slices of them: expert e's gate
     and up are rows [e, :I] and [e, I:] of gate_up_proj, its down is down_proj[e], each
-    contiguous in the file, so they are read in place.
+    contiguous in the file, so they are read in place. Transposed fused tensors (gpt-oss)
+    give two locations, gate_up_proj[e] [H, 2I] and down_proj[e] [I, H], which
+    `DiskTier.read_into` transposes as it copies.
 
     Raises:
         ValueError: see `CheckpointReader.locate` (a missing, misshapen or non-float tensor;
@@ -275,6 +289,17 @@ def expert_locations(
     out = {}
     for layer in (i for i, m in enumerate(cfg.moe_layers) if m):
         fused = _fused_names(cfg, reader, layer)
+        if fused is not None and _transposed(cfg):
+            gate_up, down = reader.locate(fused[0], (num, hidden, 2 * inter)), reader.locate(fused[1], (num, inter, hidden))
+            per_expert = gate_up.nbytes // num  # bytes of one [H, 2I]; a [I, H] is half of it
+            for e in range(num):
+                out[(layer, e)] = (
+                    dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}]", offset=gate_up.offset + e * per_expert,
+                                        nbytes=per_expert, shape=(hidden, 2 * inter)),
+                    dataclasses.replace(down, name=f"{down.name}[{e}]", offset=down.offset + e * (per_expert // 2),
+                                        nbytes=per_expert // 2, shape=(inter, hidden)),
+                )
+            continue
         if fused is not None:
             gate_up, down = reader.locate(fused[0], (num, 2 * inter, hidden)), reader.locate(fused[1], (num, hidden, inter))
             size = gate_up.nbytes // (num * 2 * inter * hidden)  # bytes per element

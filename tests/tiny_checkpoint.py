@@ -1,5 +1,5 @@
 """Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE,
-DeepSeek-V2, DeepSeek-V3, GLM-4.5) with a real tokenizer.
+DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss) with a real tokenizer.
 
 Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
 Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
@@ -17,7 +17,7 @@ import torch
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tokenizers")
 TOKENIZERS = {
     "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
-    "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2",
+    "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2", "gpt_oss": "qwen2",
 }
 _QWEN2_VOCAB = dict(vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
 # MLA fixtures: 4 heads of 16 (nope) + 8 (rope) query/key dims, 16 value dims, a latent of 32;
@@ -39,7 +39,13 @@ GLM4_MOE = dict(
     first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, n_group=4, topk_group=2, num_experts_per_tok=2,
     routed_scaling_factor=1.8, **_QWEN2_VOCAB,
 )
-_PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
+# gpt-oss: 4 layers alternating sliding (a window of 16 tokens) and full attention, sinks, biased
+# router and experts, YaRN (transformers' default rope for gpt_oss), 8 experts of 32, top-2.
+GPT_OSS = dict(
+    head_dim=16, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+    sliding_window=16, swiglu_limit=1.0, **_QWEN2_VOCAB,
+)
+_PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS}
 # Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
 HYBRID = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -133,19 +139,20 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     cfg = AutoConfig.for_model(model_type, **{**common, **kw, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    _randomize(model)
+    _randomize(model, biases=model_type == "gpt_oss")
     model.save_pretrained(out_dir)
     _copy_tokenizer(tok_dir, out_dir)
     return out_dir
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def _randomize(model: torch.nn.Module, biases: bool = False) -> None:
     """Larger-than-default init so that routing and logits are far from uniform (fewer numerical
-    ties); norm weights are perturbed too, so that a zero-centred norm's offset matters."""
+    ties); norm weights are perturbed too, so that a zero-centred norm's offset matters.
+    `biases`: every bias and attention sink is drawn too (gpt-oss: so that each one matters)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+            if p.dim() >= 2 or (biases and (name.endswith("bias") or name.endswith("sinks"))):
+                p.normal_(0.0, 0.08 if p.dim() >= 2 else 0.5 if name.endswith("sinks") else 0.02)
             elif "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():

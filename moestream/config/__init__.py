@@ -8,7 +8,9 @@ to a component (eviction policies, ...) live with that component.
 from moestream.config.dtype import resolve_dtype
 from moestream.config.engine import EngineConfig
 from moestream.config.model import (
+    EXPERT_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
+    ExpertActivation,
     MLAConfig,
     ModelConfig,
     MultiModalConfig,
@@ -17,5 +19,5 @@ from moestream.config.model import (
 )
 from moestream.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
-__all__ = ["EngineConfig", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
+__all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
            "SpeculativeConfig", "MAX_SPECULATIVE_TOKENS", "SUPPORTED_ROPE_TYPES", "resolve_dtype"]

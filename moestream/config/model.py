@@ -79,6 +79,26 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swigluoai")
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """The routed experts' gated activation over their gate_up projection's output [n, 2I].
+
+    "silu": SwiGLU, silu(gate) * up, gate the first I outputs and up the last I.
+    "swigluoai": gpt-oss's clamped SwiGLU (vLLM's `SwigluOAIAndMul`, transformers'
+    `GptOssExperts._apply_gate`): outputs interleaved (gate 2j, up 2j + 1), gate clamped to
+    at most `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+    `bias`: each expert's projections have biases (gpt-oss: gate_up [2I] and down [H]).
+    """
+
+    name: str = "silu"
+    alpha: float = 1.0
+    limit: float = 0.0
+    bias: bool = False
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """How the MoE router picks and weighs experts (HF's DeepseekV2/V3 and Glm4Moe routers;
@@ -92,6 +112,7 @@ class RouterConfig:
     `float32`: the router runs in float32 whatever the model dtype, HF's
     `_keep_in_fp32_modules_strict` (DeepSeek, GLM); else in the model dtype (Qwen, Mixtral),
     and top-k comes out sorted (HF's `torch.topk` default) rather than unsorted.
+    `bias`: the router's linear layer has a bias (gpt-oss).
     """
 
     scoring_func: str = "softmax"
@@ -100,6 +121,7 @@ class RouterConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     float32: bool = False
+    bias: bool = False
 
     @property
     def has_correction_bias(self) -> bool:
@@ -128,6 +150,12 @@ class ModelConfig:
     (Qwen3-MoE: as `attention_bias`; GLM-4.5: never). `mla`: DeepSeek's latent attention
     (then `head_dim` is the rope head dim, as HF sets it). `router`: the routing method.
     `quantization`: the checkpoint's `quantization_config` (None: float weights).
+
+    Sliding-window attention: `sliding_window` applies to every attention layer unless
+    `layer_types` names some "sliding_attention" and others "full_attention" (gpt-oss);
+    then only the former. `attention_sinks`: each attention head has a learned logit added
+    to its softmax's denominator (gpt-oss `sinks`). `expert_activation`: the routed
+    experts' gated activation and biases.
     """
 
     model_type: str
@@ -171,6 +199,8 @@ class ModelConfig:
     mla: MLAConfig | None = None
     router: RouterConfig = RouterConfig()
     quantization: QuantizationConfig | None = None
+    attention_sinks: bool = False
+    expert_activation: ExpertActivation = ExpertActivation()
 
     @property
     def is_hybrid(self) -> bool:
@@ -179,10 +209,16 @@ class ModelConfig:
 
     @property
     def attention_layers(self) -> list[int]:
-        """Decoder indices of full-attention layers (the only ones with a KV cache)."""
+        """Decoder indices of attention layers, full or sliding-window (the ones with a KV cache)."""
         if not self.layer_types:
             return list(range(self.num_layers))
-        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+        return [i for i, t in enumerate(self.layer_types) if t in ("full_attention", "sliding_attention")]
+
+    def layer_window(self, idx: int) -> int | None:
+        """The sliding window of attention layer `idx` (tokens), or None for full attention."""
+        if self.layer_types and self.layer_types[idx] != "sliding_attention":
+            return None if "sliding_attention" in self.layer_types else self.sliding_window
+        return self.sliding_window
 
     @property
     def linear_layers(self) -> list[int]:

@@ -85,7 +85,7 @@ class DiskTier:
     """Reads experts' gate, up and down weights from the checkpoint files by offset.
 
     Dense checkpoints: `locations[key]` = (gate, up, down) TensorLocations with shapes
-    [I, H], [I, H], [H, I]. Reads use `os.preadv` into a reusable staging buffer, then one
+    [I, H], [I, H], [H, I], or (gate_up, down) with shapes [H, 2I], [I, H] (gpt-oss). Reads use `os.preadv` into a reusable staging buffer, then one
     dtype-converting copy into the destination (the same conversion the resident loader
     does, so bit-exact). Quantized checkpoints: `locations[key]` = the expert's stored
     tensors in its `PackedLayout`'s order, read as bytes into a `PackedExpert` (straight
@@ -134,7 +134,14 @@ class DiskTier:
         return total
 
     def read_into(self, key: ExpertKey, gate_up: torch.Tensor, down: torch.Tensor) -> int:
-        """Copy expert `key` into gate_up [2I, H] and down [H, I] (any dtype/device). Returns bytes read."""
+        """Copy expert `key` into gate_up [2I, H] and down [H, I] (any dtype/device). Returns
+        bytes read. Two locations (gate_up [H, 2I], down [I, H]: gpt-oss's x @ W layout) are
+        transposed as they are copied."""
+        if len(self.locations[key]) == 2:
+            gu, dn = self.locations[key]
+            gate_up.copy_(self._read(gu).T)
+            down.copy_(self._read(dn).T)
+            return gu.nbytes + dn.nbytes
         gate, up, dn = self.locations[key]
         inter = gate.shape[0]
         gate_up[:inter].copy_(self._read(gate))

@@ -1,4 +1,5 @@
-"""Pointwise activations (`silu`, `sigmoid`) with a batch-invariant form.
+"""Pointwise activations (`silu`, `sigmoid`) with a batch-invariant form, and the routed
+experts' gated activations (`gated_activation`: SwiGLU, gpt-oss's clamped "swigluoai").
 
 torch's CPU pointwise kernels (aten/src/ATen/native/cpu/Loops.h, `vectorized_loop`) run two
 SIMD vectors of elements at a time and the rest of each call, and of each thread's share of a
@@ -13,6 +14,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from moestream.config import EXPERT_ACTIVATIONS, ExpertActivation
 
 # Row width is padded to a multiple of this (elements): two vectors of the widest type,
 # 2 x 32 bf16 lanes of AVX-512.
@@ -46,3 +49,26 @@ def silu(x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
 def sigmoid(x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """1 / (1 + exp(-x)), x's shape and dtype; `invariant`: `aligned_pointwise`."""
     return aligned_pointwise(torch.sigmoid, x) if invariant else torch.sigmoid(x)
+
+
+def gated_activation(y: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
+    """An expert's gated activation: y [n, 2I] (its gate_up projection) -> [n, I], y's dtype.
+
+    "silu": silu(y[:, :I]) * y[:, I:], with the aligned silu (the resident executor may run
+    it over many experts' rows at once, the paged one per expert; torch's scalar tail would
+    round some elements differently otherwise). "swigluoai": gate = y[:, 0::2], up =
+    y[:, 1::2], gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate *
+    sigmoid(alpha * gate), op for op as transformers' `GptOssExperts._apply_gate`.
+
+    Raises:
+        ValueError: an activation name not in EXPERT_ACTIVATIONS.
+    """
+    if act.name == "silu":
+        gate, up = y.chunk(2, dim=-1)  # [n, I] each
+        return silu(gate, invariant=True) * up
+    if act.name == "swigluoai":
+        gate, up = y[..., 0::2], y[..., 1::2]  # [n, I] each
+        gate = gate.clamp(min=None, max=act.limit)
+        up = up.clamp(min=-act.limit, max=act.limit)
+        return (up + 1) * (gate * sigmoid(gate * act.alpha, invariant=True))
+    raise ValueError(f"unsupported expert activation '{act.name}'; supported: {', '.join(EXPERT_ACTIVATIONS)}")

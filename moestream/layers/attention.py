@@ -1,4 +1,4 @@
-"""GQA self-attention with optional q/k RMSNorm (Qwen3) over a paged KV cache.
+"""GQA self-attention with optional q/k RMSNorm (Qwen3) and attention sinks (gpt-oss) over a paged KV cache.
 
 Follows transformers' Qwen3MoeAttention / MixtralAttention, and Qwen3NextAttention's
 gated form (`output_gate`: q_proj gives [query | gate] per head and the output is
@@ -21,7 +21,8 @@ class Attention(nn.Module):
     """forward(positions [T] int64, x [T, hidden], kv_cache (k, v) each [N, block, Hk, D], meta) -> [T, hidden].
 
     `bias` applies to q/k/v_proj, and to o_proj unless `o_bias` says otherwise (GLM-4.5:
-    q/k/v biased, o_proj never)."""
+    q/k/v biased, o_proj never). `sinks`: a learned per-head softmax sink `sinks` [Hq]
+    (gpt-oss, transformers' GptOssAttention); `sliding_window`: this layer's window or None."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class Attention(nn.Module):
         output_gate: bool = False,
         norm_unit_offset: bool = False,
         o_bias: bool | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -53,6 +55,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         self.scale = head_dim**-0.5
 
     def forward(
@@ -73,7 +76,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
+                                 sinks=self.sinks)
         o = o.reshape(t, self.num_heads * self.head_dim)  # [T, Hq * D]
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, -1))

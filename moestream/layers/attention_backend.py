@@ -39,11 +39,14 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """forward(q [T, Hq, D], k [T, Hk, D], v [T, Hk, Dv], k_cache [N, block_size, Hk, D],
-    v_cache [N, block_size, Hk, Dv], meta, scale, sliding_window, latent_values) -> [T, Hq, Dv].
-    Writes k/v into the caches first.
+    v_cache [N, block_size, Hk, Dv], meta, scale, sliding_window, latent_values, sinks)
+    -> [T, Hq, Dv]. Writes k/v into the caches first.
 
     `latent_values` > 0 (multi-head latent attention's absorbed form): `v` is None, the
-    values are the first `latent_values` dims of the keys, and v_cache is not touched."""
+    values are the first `latent_values` dims of the keys, and v_cache is not touched.
+    `sinks` [Hq] (gpt-oss's attention sinks): a learned logit per head that joins each
+    query's softmax denominator and attends to nothing:
+    p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i))."""
 
     def forward(
         self,
@@ -56,6 +59,7 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         latent_values: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -84,6 +88,7 @@ class TorchAttentionBackend:
         scale: float,
         sliding_window: int | None,
         latent_values: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_kv_heads = k.shape[1]
         bs = meta.block_size
@@ -97,7 +102,7 @@ class TorchAttentionBackend:
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
         batched = set(decodes) if len(decodes) > 1 and not self.batch_invariant else set()
         if batched:
-            self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out, latent_values)
+            self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out, latent_values, sinks)
         for i in range(len(lens)):
             if i in batched:
                 continue
@@ -114,6 +119,9 @@ class TorchAttentionBackend:
                 mask &= k_pos > q_pos - sliding_window
             if latent_values:  # one shared latent head: [n * Hq, D] @ [D, ctx], no per-head copies
                 out[qs:qe] = _latent_attention(q[qs:qe], keys[:, 0], vals[:, 0], mask[:, None, :], scale)
+                continue
+            if sinks is not None:
+                out[qs:qe] = _sink_attention(q[qs:qe][None], keys[None], vals[None], mask[None], scale, sinks)[0]
                 continue
             o = F.scaled_dot_product_attention(
                 q[qs:qe].transpose(0, 1),  # [Hq, n, D]
@@ -137,6 +145,7 @@ class TorchAttentionBackend:
         decodes: list[int],
         out: torch.Tensor,
         latent_values: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """All one-token (decode) requests in one SDPA call: their blocks gathered and padded
         to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
@@ -156,6 +165,9 @@ class TorchAttentionBackend:
             mask &= k_pos > ctx - 1 - sliding_window
         if latent_values:
             out[rows] = _latent_attention(q[rows], keys[:, :, 0], vals[:, :, 0], mask[:, None, :], scale, batched=True)
+            return
+        if sinks is not None:
+            out[rows] = _sink_attention(q[rows][:, None], keys, vals, mask[:, None, :], scale, sinks)[:, 0]
             return
         o = F.scaled_dot_product_attention(
             q[rows][:, :, None, :],  # [b, Hq, 1, D]
@@ -189,3 +201,24 @@ def _latent_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, m
     scores = torch.matmul(qf, kf.transpose(-1, -2)) if batched else torch.matmul(qf, kf.T)  # [n|b, Hq, S]
     scores = (scores * scale).masked_fill_(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), vf).to(q.dtype)  # [n|b, Hq, Dv]
+
+
+def _sink_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor, scale: float,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head in every softmax (gpt-oss; transformers'
+    `eager_attention_forward` of modeling_gpt_oss.py: the sink joins the logits, the softmax
+    runs over both, the sink's probability is dropped), in float32.
+
+    q [b, n, Hq, D], keys [b, S, Hk, D], vals [b, S, Hk, Dv] (Hq a multiple of Hk: head h
+    reads kv head h // (Hq / Hk)), mask [b, n, S] bool (True: attend), sinks [Hq]
+    -> [b, n, Hq, Dv] in q's dtype.
+    """
+    b, n, hq, _ = q.shape
+    rep = hq // keys.shape[2]
+    kf = keys.float().repeat_interleave(rep, dim=2)  # [b, S, Hq, D]
+    vf = vals.float().repeat_interleave(rep, dim=2)  # [b, S, Hq, Dv]
+    scores = torch.einsum("bnhd,bshd->bhns", q.float(), kf) * scale  # [b, Hq, n, S]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [b, Hq, n, S]
+    return torch.einsum("bhns,bshd->bnhd", probs, vf).to(q.dtype)  # [b, n, Hq, Dv]

@@ -34,13 +34,17 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+from torch import nn
 
+from moestream.config import ExpertActivation
 from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
-from moestream.layers.activation import silu
+from moestream.layers.activation import gated_activation, silu
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
 from moestream.quantization.packed import dequantize_expert
 
+
+SWIGLU = ExpertActivation()
 
 # Rows per chunk of `weighted_sum` (1024 x H float32: 2 MiB at H = 512).
 COMBINE_CHUNK = 1024
@@ -57,16 +61,35 @@ class ExpertExecutor(Protocol):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
 
 
-def expert_swiglu(x: torch.Tensor, w: ExpertWeights | PackedExpert, row_tile: int = 0) -> torch.Tensor:
-    """One expert's SwiGLU on its rows: x [n, H] -> down(silu(gate(x)) * up(x)) [n, H], x's dtype.
-    A packed (quantized) expert is dequantized to x's dtype first, into a scratch of one
-    expert that is freed when this returns."""
+def expert_swiglu(x: torch.Tensor, w: ExpertWeights | PackedExpert, row_tile: int = 0,
+                  act: ExpertActivation = SWIGLU, bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One expert's gated MLP on its rows: x [n, H] -> down(act(gate_up(x))) [n, H], x's dtype
+    (`gated_activation`: SwiGLU by default). `bias`: the expert's (gate_up [2I], down [H])
+    biases, added after each matmul (transformers' `GptOssExperts`: `x @ W + b`). A packed
+    (quantized) expert is dequantized to x's dtype first, into a scratch of one expert that
+    is freed when this returns."""
     if isinstance(w, PackedExpert):
         w = dequantize_expert(w, x.dtype)
-    gate, up = linear(x, w.gate_up, row_tile=row_tile).chunk(2, dim=-1)  # [n, I] each
-    # always the aligned silu: the resident executor runs it over all experts' rows at once,
-    # the paged one per expert, and torch's scalar tail would round some elements otherwise
-    return linear(silu(gate, invariant=True) * up, w.down, row_tile=row_tile)  # [n, H]
+    y = linear(x, w.gate_up, row_tile=row_tile)  # [n, 2I]
+    if bias is not None:
+        y = y + bias[0]
+    out = linear(gated_activation(y, act), w.down, row_tile=row_tile)  # [n, H]
+    return out + bias[1] if bias is not None else out
+
+
+class ExpertBias(nn.Module):
+    """The biases of one MoE layer's routed experts (gpt-oss), resident whatever the expert
+    budget: gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] in the model dtype (HF's
+    names; E * (2I + H) values, against 3 * I * H per expert for the weights)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate_size), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+
+    def of(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert `expert`'s (gate_up [2I], down [H]) biases."""
+        return self.gate_up_proj_bias[expert], self.down_proj_bias[expert]
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,8 +124,10 @@ class ResidentExpertExecutor:
 
     row_tile = 0
 
-    def __init__(self, store: ResidentExpertStore, layer_idx: int, num_experts: int) -> None:
+    def __init__(self, store: ResidentExpertStore, layer_idx: int, num_experts: int,
+                 act: ExpertActivation = SWIGLU, bias: ExpertBias | None = None) -> None:
         self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
+        self.act, self.bias = act, bias
         self.grouped: bool | None = None  # grouped_mm_matches_linear for the first call's dtype and device
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -114,12 +139,13 @@ class ResidentExpertExecutor:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
             experts = dict(zip(active, self.store.ensure(self.layer_idx, active)))
             return _loop(x, token_of, topk_weights.flatten()[order], counts_list, active, experts.__getitem__,
-                         self.row_tile, out)
+                         self.row_tile, out, self.act, self.bias)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
         if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
             # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
             aligned = all(d * down.element_size() % 16 == 0 for d in down.shape[1:])
-            self.grouped = aligned and grouped_mm_matches_linear(x.dtype, x.device)
+            plain = self.act == SWIGLU and self.bias is None  # biased or other activations: the loop
+            self.grouped = plain and aligned and grouped_mm_matches_linear(x.dtype, x.device)
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
@@ -131,7 +157,7 @@ class ResidentExpertExecutor:
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             return _loop(x, token_of, pair_weight, counts_list, active,
-                         lambda e: ExpertWeights(gate_up[e], down[e]), self.row_tile, out)
+                         lambda e: ExpertWeights(gate_up[e], down[e]), self.row_tile, out, self.act, self.bias)
         pairs, t = topk_ids.numel(), x.shape[0]
         if pairs > ONEDNN_ROW_BUCKET and buckets_rows(x, gate_up):
             # Each expert's group padded to `bucket_rows` of its count, as `linear` pads a
@@ -175,8 +201,10 @@ class PagedExpertExecutor:
 
     row_tile = 0
 
-    def __init__(self, store: ExpertStore, layer_idx: int, num_experts: int) -> None:
+    def __init__(self, store: ExpertStore, layer_idx: int, num_experts: int, act: ExpertActivation = SWIGLU,
+                 bias: ExpertBias | None = None) -> None:
         self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
+        self.act, self.bias = act, bias
         self.lookahead: tuple[int, torch.nn.Module] | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -192,7 +220,8 @@ class PagedExpertExecutor:
             weights = dict(zip(chunk, self.store.ensure(self.layer_idx, chunk)))
             if w0 == 0 and self.lookahead is not None and self.store.lookahead:
                 self._prefetch_next_layer(x)
-            _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out)
+            _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out, self.act,
+                  self.bias)
         return out
 
     def _prefetch_next_layer(self, x: torch.Tensor) -> None:
@@ -204,22 +233,24 @@ class PagedExpertExecutor:
 
 def _loop(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, counts: list[int],
           experts: list[int], weights_of: Callable[[int], ExpertWeights | PackedExpert], row_tile: int,
-          out: torch.Tensor) -> torch.Tensor:
+          out: torch.Tensor, act: ExpertActivation = SWIGLU, bias: ExpertBias | None = None) -> torch.Tensor:
     """The per-expert loop: each expert of `experts` (ascending ids), its rows of the sorted
     pairs (token_of [T*k], pair_weight [T*k]; counts: pairs per expert) through
-    `expert_swiglu`, added with their weights into out [T, H] float32, which it returns.
-    `weights_of(e)` gives expert e's weights."""
+    `expert_swiglu` (with `act` and the layer's `bias`), added with their weights into
+    out [T, H] float32, which it returns. `weights_of(e)` gives expert e's weights."""
     starts = [0, *itertools.accumulate(counts)]  # [E + 1]
     for e in experts:
         start, end = starts[e], starts[e + 1]
         rows = token_of[start:end]  # [n]
-        y = expert_swiglu(x[rows], weights_of(e), row_tile)  # [n, H]
+        y = expert_swiglu(x[rows], weights_of(e), row_tile, act, None if bias is None else bias.of(e))  # [n, H]
         weighted_sum(out, rows, y, pair_weight[start:end])
     return out
 
 
-def make_expert_executor(store: ExpertStore, layer_idx: int, num_experts: int) -> ExpertExecutor:
-    """The executor for a layer's experts: resident when the store holds them all."""
+def make_expert_executor(store: ExpertStore, layer_idx: int, num_experts: int, act: ExpertActivation = SWIGLU,
+                         bias: ExpertBias | None = None) -> ExpertExecutor:
+    """The executor for a layer's experts (gated activation `act`, optional per-expert
+    biases): resident when the store holds them all."""
     if isinstance(store, ResidentExpertStore):
-        return ResidentExpertExecutor(store, layer_idx, num_experts)
-    return PagedExpertExecutor(store, layer_idx, num_experts)
+        return ResidentExpertExecutor(store, layer_idx, num_experts, act, bias)
+    return PagedExpertExecutor(store, layer_idx, num_experts, act, bias)

@@ -13,10 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moestream.config import RouterConfig
+from moestream.config import ExpertActivation, RouterConfig
 from moestream.layers.activation import sigmoid
 from moestream.experts.interface import ExpertStore
-from moestream.layers.expert_executor import ExpertExecutor, PagedExpertExecutor, make_expert_executor
+from moestream.layers.expert_executor import (
+    SWIGLU,
+    ExpertBias,
+    ExpertExecutor,
+    PagedExpertExecutor,
+    make_expert_executor,
+)
 from moestream.layers.linear import Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.router import TopKRouter
@@ -26,7 +32,9 @@ class SparseMoE(nn.Module):
     """forward(x [T, H]) -> [T, H]. Routed experts run on `experts`, the layer's executor
     (`make_expert_executor(store, ...)`); a shared expert of `shared_intermediate_size` (> 0) is resident and always applied:
     gated (`shared_expert` scaled by sigmoid(`shared_expert_gate`(x))) when `shared_gate`,
-    else added as is (`shared_experts`)."""
+    else added as is (`shared_experts`). `act`: the experts' gated activation; with
+    `act.bias`, their biases are this layer's `expert_bias` (resident, `ExpertBias`) and
+    `intermediate_size` is the experts' I."""
 
     def __init__(
         self,
@@ -39,6 +47,8 @@ class SparseMoE(nn.Module):
         shared_intermediate_size: int = 0,
         shared_gate: bool = True,
         router: RouterConfig = RouterConfig(),
+        act: ExpertActivation = SWIGLU,
+        intermediate_size: int = 0,
     ) -> None:
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob, router)
@@ -52,7 +62,8 @@ class SparseMoE(nn.Module):
             self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.layer_idx = layer_idx
-        self.experts: ExpertExecutor = make_expert_executor(store, layer_idx, num_experts)
+        self.expert_bias = ExpertBias(num_experts, hidden_size, intermediate_size) if act.bias else None
+        self.experts: ExpertExecutor = make_expert_executor(store, layer_idx, num_experts, act, self.expert_bias)
 
     def set_lookahead(self, next_layer: int, router: TopKRouter) -> None:
         """Gate lookahead for a paged executor: the next MoE layer's index and router (kept in

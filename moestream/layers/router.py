@@ -4,6 +4,7 @@ One class covers the routing of every model moestream serves, each path followin
 transformers file it names, op for op (so that ties break the same way):
 - softmax, greedy top-k, optional renormalisation: `Qwen3MoeTopKRouter`, `MixtralTopKRouter`;
 - softmax, `group_limited_greedy`: `DeepseekV2TopkRouter` (group score = its max expert);
+- softmax over biased logits, greedy, renormalised: `GptOssTopKRouter` (see `TopKRouter`);
 - sigmoid, `noaux_tc`: `DeepseekV3TopkRouter`, `Glm4MoeTopkRouter` (selection by score +
   `e_score_correction_bias`, group score = sum of its top-2, weights from the unbiased
   scores, renormalised with + 1e-20, times `routed_scaling_factor`).
@@ -25,8 +26,14 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 class TopKRouter(nn.Module):
     """forward(x [T, H]) -> (weights [T, k] float32, expert ids [T, k] int64).
 
-    Parameters, named as HF's: `weight` [E, H] (the router's linear layer), and for
-    `noaux_tc`, `e_score_correction_bias` [E] (float32).
+    Parameters, named as HF's: `weight` [E, H] (the router's linear layer), its `bias` [E]
+    when the config says so (gpt-oss), and for `noaux_tc`, `e_score_correction_bias` [E]
+    (float32).
+
+    gpt-oss's router (transformers' `GptOssTopKRouter`) takes the top-k of the logits and a
+    softmax over those k; here that is the greedy softmax top-k renormalised
+    (`norm_topk_prob`), the same weights up to float rounding (softmax is monotone, and
+    renormalising a softmax over a subset is the softmax of that subset).
 
     Raises:
         ValueError: an unknown scoring function or top-k method, or a group count that does
@@ -47,6 +54,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"n_group {config.n_group} must divide the {num_experts} experts and be at least "
                              f"topk_group {config.topk_group}")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if config.bias else None
         self.e_score_correction_bias: nn.Parameter | None = None
         if config.has_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
@@ -55,8 +63,9 @@ class TopKRouter(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] float32."""
         if self.config.float32:
-            return linear(x.float(), self.weight.float(), row_tile=self.row_tile)
-        return linear(x, self.weight, row_tile=self.row_tile).float()
+            bias = None if self.bias is None else self.bias.float()
+            return linear(x.float(), self.weight.float(), bias, row_tile=self.row_tile)
+        return linear(x, self.weight, self.bias, row_tile=self.row_tile).float()
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> expert scores [T, E] float32 (softmax or sigmoid of the logits)."""

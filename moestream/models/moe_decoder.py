@@ -101,6 +101,10 @@ class MoEForCausalLM(nn.Module):
         "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
     )
 
+    # The checkpoint stores fused 3-D experts as transformers 5 multiplies them, x @ W
+    # (gpt-oss: gate_up_proj [E, H, 2I], down_proj [E, I, H]), not as [out, in] matrices.
+    fused_experts_transposed: bool = False
+
     # ---- configuration: HF config.json -> ModelConfig ------------------------------------
 
     @classmethod
@@ -131,8 +135,8 @@ class MoEForCausalLM(nn.Module):
         """Layer `idx`'s token mixer: GQA attention with the config's options."""
         return Attention(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias,
-            cfg.rms_norm_eps if cfg.qk_norm else None, rotary, backend, cfg.sliding_window,
-            cfg.attn_output_gate, cfg.norm_unit_offset, cfg.o_proj_bias,
+            cfg.rms_norm_eps if cfg.qk_norm else None, rotary, backend, cfg.layer_window(idx),
+            cfg.attn_output_gate, cfg.norm_unit_offset, cfg.o_proj_bias, cfg.attention_sinks,
         )
 
     @classmethod
@@ -141,7 +145,8 @@ class MoEForCausalLM(nn.Module):
         if not cfg.moe_layers[idx]:
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         return SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, idx, store,
-                         cfg.shared_expert_intermediate_size, cfg.shared_expert_gate, cfg.router)
+                         cfg.shared_expert_intermediate_size, cfg.shared_expert_gate, cfg.router,
+                         cfg.expert_activation, cfg.moe_intermediate_size)
 
     @classmethod
     def make_layer(cls, cfg: ModelConfig, idx: int, rotary: RotaryEmbedding, backend: AttentionBackend,

@@ -3,6 +3,7 @@
 from moestream.models.deepseek_v2 import DeepseekV2ForCausalLM
 from moestream.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moestream.models.glm4_moe import Glm4MoeForCausalLM
+from moestream.models.gpt_oss import GptOssForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
@@ -18,6 +19,7 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 

@@ -20,7 +20,8 @@ from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request
 from moestream.experts.interface import ExpertStore
 from moestream.layers.gated_delta_net import StateMetadata
-from moestream.layers.expert_executor import ExpertExecutor, expert_swiglu
+from moestream.config import ExpertActivation
+from moestream.layers.expert_executor import SWIGLU, ExpertBias, ExpertExecutor, expert_swiglu
 from moestream.layers.moe import SparseMoE
 from moestream.layers.router import TopKRouter
 
@@ -38,9 +39,11 @@ class ResidentOnlyExecutor:
     """
 
     def __init__(self, store: ExpertStore, router: TopKRouter, layer_idx: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, row_tile: int) -> None:
+                 norm_topk_prob: bool, row_tile: int, act: ExpertActivation = SWIGLU,
+                 bias: ExpertBias | None = None) -> None:
         self.store, self.router, self.layer_idx = store, router, layer_idx
         self.num_experts, self.top_k, self.norm_topk_prob, self.row_tile = num_experts, top_k, norm_topk_prob, row_tile
+        self.act, self.bias = act, bias
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         router = self.router
@@ -70,7 +73,7 @@ class ResidentOnlyExecutor:
             if w is None:
                 continue
             rows, which = (ids == e).nonzero(as_tuple=True)  # [n] token rows, their top-k index
-            y = expert_swiglu(x[rows], w, self.row_tile)  # [n, H]
+            y = expert_swiglu(x[rows], w, self.row_tile, self.act, None if self.bias is None else self.bias.of(e))
             out.index_add_(0, rows, y.float() * weights[rows, which, None])
         return out
 
@@ -84,7 +87,7 @@ def resident_only_experts(model: nn.Module) -> Iterator[None]:
     try:
         for m in layers:
             m.experts = ResidentOnlyExecutor(m.experts.store, m.gate, m.layer_idx, m.num_experts, m.top_k,
-                                             m.norm_topk_prob, m.experts.row_tile)
+                                             m.norm_topk_prob, m.experts.row_tile, m.experts.act, m.experts.bias)
         yield
     finally:
         for m, executor in zip(layers, saved):
