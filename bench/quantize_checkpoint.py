@@ -7,7 +7,9 @@ computed from those codes and scales, and only then are the codes packed into th
 layout (compressed-tensors' own `pack_to_int32` for its format; by hand for GPTQ, FP8 and
 MXFP4). Streams shard by shard (sharded input keeps its shard files), so the bench presets
 of several GiB fit in memory. Weights quantized: every 2-D `.weight` of the decoder layers
-but the router (MXFP4: routed experts only, fused per layer as gpt-oss stores them).
+but the router (MXFP4: routed experts only, fused per layer as gpt-oss stores them; a gpt-oss
+source's fused `gate_up_proj` [E, H, 2I] / `down_proj` [E, I, H], multiplied x @ W, are
+quantized as their [out, in] transposes, gate and up rows left interleaved).
 
     python bench/quantize_checkpoint.py SRC_DIR OUT_DIR --format ct-int4 [--group-size 128]
     python bench/quantize_checkpoint.py SRC_DIR OUT_DIR --format fp8-block --oracle ORACLE_DIR
@@ -211,6 +213,14 @@ def quantize_checkpoint(src: str, dst: str, oracle: str | None, fmt: str, seed: 
         deq_all: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             source_bytes += t.numel() * t.element_size()
+            if fmt == "mxfp4" and t.dim() == 3 and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                # gpt-oss's fused experts, stored x @ W ([E, in, out]): MXFP4 keeps [E, out, in] as gpt-oss does
+                quant = [mxfp4(w.float().t()) for w in t]
+                for suffix in ("_blocks", "_scales"):
+                    stored[name + suffix] = torch.stack([q[0][suffix] for q in quant]).contiguous()
+                if oracle:
+                    deq_all[name] = torch.stack([q[1].t() for q in quant])
+                continue
             if not _quantized(name, t, fmt):
                 stored[name] = t
                 continue
