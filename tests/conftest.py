@@ -31,6 +31,12 @@ def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     )
 
 
+@pytest.fixture(scope="session")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """gpt-oss: 4 layers alternating a 16-token sliding window and full attention."""
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("gpt_oss")), "gpt_oss", seed=3)
+
+
 @pytest.fixture(scope="session", params=["qwen3_moe", "mixtral"])
 def model_dir(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")

@@ -82,3 +82,25 @@ def test_quantized_bench_runs(qwen3_moe_dir: str, tmp_path) -> None:
     density = data["density"]["formats"]
     assert density["int4"]["slots_at_budget"] > density["fp8-block"]["slots_at_budget"] > density["bf16"]["slots_at_budget"]
     assert open(out + ".md").read().count("| int4 |") == 2
+
+
+def test_gpt_oss_bench_runs(gpt_oss_dir: str, tmp_path) -> None:
+    """Both KV cache setups, decode at c1 / c2, TTFT with and without prefix caching: the
+    grouped cache's peak is below the one-group cache's, and the second request onward hits
+    the shared prompt's blocks."""
+    out = str(tmp_path / "gpt_oss")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "gpt_oss.py"), "--checkpoint", gpt_oss_dir,
+           "--kv-requests", "3", "--kv-prompt", "40", "--kv-new", "24", "--prompt-len", "8", "--new-tokens", "4",
+           "--concurrency", "1,2", "--system-len", "48", "--ttft-requests", "3", "--max-wait", "0", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.load(open(out + ".json"))
+    kv = data["kv"]
+    assert kv["groups"]["peak_bytes"] < kv["one group"]["peak_bytes"]
+    assert kv["groups"]["block_bytes"] * 2 == kv["one group"]["block_bytes"]  # half the layers per block
+    assert len(kv["groups"]["peak_blocks_per_group"]) == 2 and len(kv["one group"]["peak_blocks_per_group"]) == 1
+    decode = data["decode"]
+    assert decode["prefix caching on"]["prefix_hits"] == 2 * 48 and decode["prefix caching off"]["prefix_hits"] == 0
+    assert data["hf"]["1"]["tok_s"] > 0 and isinstance(data["meta"]["first_tokens_equal_hf"], bool)  # bf16: may differ
+    assert data["vllm"]["status"] in ("ok", "not installed", "failed")
+    assert open(out + ".md").read().count("| moestream |") == 1

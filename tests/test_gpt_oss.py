@@ -2,7 +2,10 @@
 window and full attention, sinks, biased router and experts, clamped SwiGLU, YaRN), 8 prompts
 under and over the window decoded together for 48 tokens with 4-token blocks; chunked
 prefill with chunks not aligned to the window, under preemption; paging at a 25% budget bit
-for bit; config errors."""
+for bit; MXFP4 experts; config errors. KV cache groups: the sliding group's blocks behind
+the window go back to the pool (exact count per step), nothing leaks after abort, prefix
+hits over both groups (exact token count, output as with caching off), n-gram speculation
+exact with a window shorter than a draft's reach."""
 
 from __future__ import annotations
 
@@ -35,11 +38,6 @@ class _Reference:
 
     def generate(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
         return self.hf.generate(prompt, NEW_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("gpt_oss")), "gpt_oss", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +154,153 @@ def test_mxfp4_experts_match_their_dequantized_oracle(gpt_oss_dir: str, tmp_path
     packed = 2 * cfg.moe_intermediate_size * (cfg.hidden_size // 32) * 17 + cfg.hidden_size * (
         cfg.moe_intermediate_size // 32) * 17  # 16 bytes of nibbles + 1 scale byte per block of 32
     assert stats["misses"] > 0 and stats["bytes_read_per_tier"]["disk"] == stats["misses"] * packed
+
+
+def _step_until_done(engine, check=None) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if check is not None:
+            check()
+    return done
+
+
+def test_sliding_group_blocks_are_bounded_by_the_window(gpt_oss_dir: str) -> None:
+    """Decoding to 10x the window: after each decode step the request holds, in the sliding
+    group, exactly the blocks from the one of position p - W + 1 to the last one (p: the
+    position computed in that step; the blocks were trimmed when it was scheduled), so at
+    most ceil((W - 1) / B) + 1 = 5; the full group holds ceil((p + 1) / B); every other
+    block is free."""
+    from moestream import SamplingParams
+    from moestream.engine.kv_cache import NULL_BLOCK
+
+    llm = LLM(gpt_oss_dir, dtype="float32", block_size=BLOCK, max_model_len=256)
+    engine, coord = llm.llm_engine, llm.llm_engine.coordinator
+    full, sliding = coord.groups
+    assert (full.window, sliding.window) == (None, WINDOW)
+    engine.add_request({"prompt_token_ids": parity_prompts()[5]}, SamplingParams(temperature=0, max_tokens=10 * WINDOW,
+                                                                              ignore_eos=True), request_id="long")
+    bound = -(-(WINDOW - 1) // BLOCK) + 1
+    seen: list[int] = []
+    computed = [0]  # num_computed_tokens before the step
+
+    def check() -> None:
+        req = engine.requests.get("long")
+        if req is None:
+            return
+        p0, nc = computed[0], req.num_computed_tokens
+        computed[0] = nc
+        table = sliding.block_table("long")
+        held = [b for b in table if b != NULL_BLOCK]
+        first = max(0, p0 - WINDOW + 1) // BLOCK  # trimmed when the step was scheduled at p0
+        assert table[:first] == [NULL_BLOCK] * first and len(table) == -(-nc // BLOCK)
+        assert len(held) == len(table) - first
+        if nc - p0 == 1:  # a decode step
+            assert len(held) <= bound
+            seen.append(len(held))
+        assert len(full.block_table("long")) == -(-nc // BLOCK)
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks - len(held) - len(full.block_table("long"))
+
+    out = _step_until_done(engine, check)
+    assert len(out["long"]) == 10 * WINDOW and max(seen) == bound
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    stats = llm.kv_cache_stats()["groups"]
+    assert stats == [{"kind": "full", "window": None, "used_blocks": 0},
+                     {"kind": "sliding", "window": WINDOW, "used_blocks": 0}]
+
+
+def test_abort_frees_both_groups(gpt_oss_dir: str) -> None:
+    from moestream import SamplingParams
+
+    llm = LLM(gpt_oss_dir, dtype="float32", block_size=BLOCK, max_model_len=256)
+    engine = llm.llm_engine
+    for i, p in enumerate(parity_prompts()):
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                           request_id=f"r{i}")
+    for _ in range(30):
+        engine.step()
+    groups = llm.kv_cache_stats()["groups"]
+    assert [g["used_blocks"] > 0 for g in groups] == [True, True]
+    assert groups[0]["used_blocks"] + groups[1]["used_blocks"] == engine.kv_cache.num_blocks - engine.kv_cache.num_free_blocks
+    from moestream.server.async_engine import take_snapshot
+    from moestream.server.metrics import ServerMetrics
+
+    snap = take_snapshot(engine)
+    server_metrics = ServerMetrics()
+    server_metrics.bind(lambda: snap, lambda: 0)
+    metrics = {s.labels["group"]: s.value for m in server_metrics.registry.collect()
+               if m.name == "moestream:kv_cache_group_blocks" for s in m.samples}
+    assert metrics == {"full": groups[0]["used_blocks"], "sliding": groups[1]["used_blocks"]}
+    for i in range(8):
+        engine.abort_request(f"r{i}")
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and all(kv.ref_count(b) == 0 for b in range(kv.num_blocks))
+
+
+def test_prefix_hit_over_both_groups(gpt_oss_dir: str) -> None:
+    """A prompt sharing 3 windows (48 tokens, 12 blocks) with an earlier one hits exactly 48
+    tokens: the full group's 12 blocks and the sliding group's blocks 8-11 (positions 33-47,
+    the window before token 48; blocks 0-7 are not needed). The first prompt runs in
+    7-token chunks, so its sliding blocks behind the window were given back while it ran
+    (kept in the pool with their hashes). Outputs equal caching off."""
+    from moestream import SamplingParams
+
+    shared = parity_prompts()[-1] + parity_prompts()[3][:8]  # 48 tokens
+    prompts = [shared + [11, 12, 13, 14, 15], shared + [21, 22, 23]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=BLOCK, max_model_len=128, max_num_batched_tokens=7)
+    cold = LLM(gpt_oss_dir, enable_prefix_caching=False, **kw)
+    expected = [cold.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    llm = LLM(gpt_oss_dir, enable_prefix_caching=True, **kw)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params)[0]
+    assert llm.prefix_cache_stats()["hits"] == 0
+    second = llm.generate([{"prompt_token_ids": prompts[1]}], params)[0]
+    assert llm.prefix_cache_stats()["hits"] == 48 and second.num_cached_tokens == 48
+    assert [first.outputs[0].token_ids, second.outputs[0].token_ids] == expected
+
+
+def test_speculation_exact_with_a_short_window(tmp_path) -> None:
+    """Drafts of 3 tokens (scripted: right for 0-3 positions, so both accepted and rejected)
+    on a gpt-oss whose window (3 tokens) is shorter than a verify step's reach (4
+    positions): tokens equal speculation off, the acceptance counts are the script's, and
+    every block is back in the pool; plain n-gram drafts stay exact too."""
+    from scripted_proposer import ScriptedProposer
+
+    from moestream import SamplingParams
+
+    d = make_tiny_checkpoint(str(tmp_path / "w3"), "gpt_oss", seed=4, sliding_window=3)
+    prompts = [[7, 8, 9, 10] * 6, parity_prompts()[6]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=BLOCK, max_model_len=128)
+    off = [o.outputs[0].token_ids for o in LLM(d, **kw).generate([{"prompt_token_ids": p} for p in prompts], params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    ngram = LLM(d, speculative_config=spec, **kw)
+    assert [o.outputs[0].token_ids for o in ngram.generate([{"prompt_token_ids": p} for p in prompts], params)] == off
+    llm = LLM(d, speculative_config=spec, **kw)
+    script = ScriptedProposer(list(zip(prompts, off)), lambda i, n: (i + n) % 4, llm.llm_engine.model_config.vocab_size)
+    llm.llm_engine.proposer = script
+    on = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
+    assert on == off
+    accepted = sum(script.expected(i, 40, 3)[1] for i in range(len(prompts)))
+    assert llm.llm_engine.spec_decode_stats()["num_accepted_tokens"] == accepted > 0
+    kv = llm.llm_engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_one_group_when_the_hybrid_manager_is_disabled(gpt_oss_dir: str) -> None:
+    """`disable_hybrid_kv_cache_manager` (vLLM's flag): one group holding every block, each
+    block twice the layers; the same tokens."""
+    from moestream import SamplingParams
+
+    prompts = parity_prompts()[4:]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=BLOCK, max_model_len=96)
+    grouped = LLM(gpt_oss_dir, **kw)
+    single = LLM(gpt_oss_dir, disable_hybrid_kv_cache_manager=True, **kw)
+    assert [g["kind"] for g in single.kv_cache_stats()["groups"]] == ["full"]
+    assert single.kv_cache_stats()["bytes_per_token"] == 2 * grouped.kv_cache_stats()["bytes_per_token"]
+    run = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+           for llm in (grouped, single)]
+    assert run[0] == run[1]

@@ -125,3 +125,86 @@ def test_prefix_caching_off_hits_nothing() -> None:
     kv.free("a")
     assert kv.get_computed_blocks("b", [1, 2, 3, 4, 5]) == [] and kv.num_cached_blocks == 0
     assert kv.stats.queries == 0
+
+
+# ---- KV cache groups: full + sliding window over one pool ---------------------------------------
+
+
+def _groups(num_blocks: int, window: int = 6, block_size: int = 2):
+    from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
+
+    full = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
+    sliding = KVCacheManager(0, block_size, enable_prefix_caching=True, pool=full.pool, window=window, group=1)
+    return KVCacheCoordinator(full, groups=[sliding], state_checkpoint_interval=block_size), full, sliding
+
+
+def _request(rid: str, tokens: list[int]):
+    from moestream.engine.request import Request
+    from moestream.sampling_params import SamplingParams
+
+    return Request(rid, None, list(tokens), SamplingParams())
+
+
+def _compute(coord, req, n: int) -> None:
+    """What the scheduler and the engine do for n more tokens of `req`."""
+    assert coord.allocate_slots(req, req.num_computed_tokens + n)
+    req.num_computed_tokens += n
+    coord.commit([(req, n)])
+
+
+def test_sliding_group_gives_back_blocks_behind_the_window() -> None:
+    from moestream.engine.kv_cache import NULL_BLOCK
+
+    coord, full, sliding = _groups(40)
+    r = _request("a", list(range(1, 21)))
+    _compute(coord, r, 8)  # positions 0-7: nothing is behind the window of position 0 yet
+    assert sliding.block_table("a") == [4, 5, 6, 7] and full.block_table("a") == [0, 1, 2, 3]
+    _compute(coord, r, 3)  # scheduled at 8: positions >= 8 - 6 + 1 = 3 are needed, so blocks 0 (0-1) goes
+    assert sliding.block_table("a")[:2] == [NULL_BLOCK, 5] and sliding.ref_count(4) == 0
+    _compute(coord, r, 1)  # at 11: positions >= 6, blocks 0-2 go
+    assert sliding.block_table("a")[:4] == [NULL_BLOCK] * 3 + [7]
+    assert full.num_free_blocks == 40 - 6 - 3  # full holds 6 blocks (12 tokens), sliding 3 (blocks 3-5)
+    coord.free(r)
+    assert full.num_free_blocks == 40
+
+
+def test_group_hits_are_taken_before_new_blocks() -> None:
+    """Regression: with two groups, the full group took as new blocks the free blocks the
+    sliding group was hitting (each group allocated in turn), so one block sat in both
+    groups' tables and the two groups' layers overwrote each other's KV. Here the sliding
+    blocks a hit needs were given back (behind the window) while `a` ran, so they sit ahead
+    of a's other blocks in the free queue."""
+    coord, full, sliding = _groups(24, window=4)
+    shared = list(range(1, 9))  # 4 blocks
+    a = _request("a", shared + list(range(100, 112)))
+    for _ in range(5):
+        _compute(coord, a, 4)
+    coord.free(a)
+    b = _request("b", shared + list(range(200, 216)))  # 12 blocks: 8 new ones in the full group
+    hit = coord.find_prefix(b)
+    assert hit.num_tokens == 8 and hit.group_blocks[0][:2] == [-1, -1]
+    assert coord.allocate_slots(b, 24, hit)
+    held_full = set(full.block_table("b"))
+    held_sliding = {x for x in sliding.block_table("b") if x >= 0}
+    assert len(held_full) == 12 and len(held_sliding) == 10 and not held_full & held_sliding
+    assert all(full.ref_count(x) == 1 for x in held_full | held_sliding)
+
+
+def test_window_hit_needs_only_the_last_window() -> None:
+    """A hit of j blocks needs every full-group block, and in the sliding group the blocks of
+    positions j*B - W + 1 .. j*B - 1 only: evicting an earlier sliding block keeps the hit."""
+    coord, full, sliding = _groups(24, window=4)
+    tokens = list(range(1, 13))  # 6 blocks of 2
+    a = _request("a", tokens + [99])
+    _compute(coord, a, 13)
+    hashes = full.block_hashes("a", a.token_ids, 6)
+    first_sliding = sliding.cached_block(hashes[0])
+    coord.free(a)
+    # evict the sliding group's first block (take it for something else)
+    assert sliding.pool._key[first_sliding] is not None
+    sliding.pool._free.move_to_end(first_sliding, last=False)
+    taken = sliding.pool.take(1)
+    assert taken == [first_sliding] and sliding.cached_block(hashes[0]) is None
+    hit = coord.find_prefix(_request("b", tokens + [7, 7]))
+    assert hit.num_tokens == 12  # blocks 4-5 (positions 9-11) are the window before token 12
+    assert hit.group_blocks[0][:4] == [-1] * 4

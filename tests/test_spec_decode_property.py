@@ -1,5 +1,5 @@
-"""Property test of speculative decoding (hypothesis), on an attention model and a hybrid
-one: random arrivals and aborts of requests whose drafts are right for a varying number of
+"""Property test of speculative decoding (hypothesis), on an attention model, a hybrid one
+and gpt-oss (full and sliding-window KV cache groups): random arrivals and aborts of requests whose drafts are right for a varying number of
 positions (some never, some always), under a 4-block (6 on the hybrid) KV pool (preemptions), chunked prefill,
 prefix hits on shared prefixes and, on the hybrid model, 2 device state slots (swaps) and a
 one-row checkpoint pool. Afterwards no KV block, state slot, speculative or checkpoint row is
@@ -29,14 +29,18 @@ def _right(i: int, n: int) -> int:
     return 0 if i == 3 else K if i == 5 else (i * 7 + n * 3) % (K + 1)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next", "gpt_oss"])
 def engine_and_solo(request: pytest.FixtureRequest):
     model = request.getfixturevalue(f"{request.param}_dir")
     hybrid = request.param == "qwen3_next"
-    layers = 1 if hybrid else 3
-    block = kv_block_bytes(layers, 16, 2, 16, torch.float32)
-    kw = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=(6 if hybrid else 4) * block,
-              max_num_batched_tokens=16)
+    if request.param == "gpt_oss":  # two KV cache groups (full, 16-token window) of 2 layers, 4-token blocks
+        block = kv_block_bytes(2, 4, 2, 16, torch.float32)
+        kw = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=34 * block, max_num_batched_tokens=16,
+                  block_size=4)
+    else:
+        block = kv_block_bytes(1 if hybrid else 3, 16, 2, 16, torch.float32)
+        kw = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=(6 if hybrid else 4) * block,
+                  max_num_batched_tokens=16)
     if hybrid:
         kw["max_resident_states"] = 2
     plain = LLM(model, enable_prefix_caching=False, **kw)

@@ -124,6 +124,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "reuse the KV cache (and, on hybrid models, linear-attention "
                                                "state checkpoints) of a prompt prefix seen before instead of "
                                                "recomputing it")
+    disable_hybrid_kv_cache_manager: bool = option(False, "keep one KV cache group even when sliding-window and "
+                                                          "full-attention layers are mixed (gpt-oss): sliding layers "
+                                                          "then hold every block, as full ones do (vLLM's flag)")
     batch_invariant: bool = option(False, "a request's output and logits do not depend on the other requests in "
                                           "its batch (vLLM's batch-invariant mode): fixed-size matmul calls, decode "
                                           "attention per request; slower; full-attention models only (Qwen3-MoE, "

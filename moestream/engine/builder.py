@@ -13,7 +13,7 @@ from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.args import check_engine_config
 from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
 from moestream.engine.input_processor import InputProcessor
-from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, num_kv_blocks
+from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, kv_cache_groups, num_kv_blocks
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.output_processor import OutputProcessor
@@ -173,25 +173,40 @@ def build_engine(config: EngineConfig) -> EngineParts:
 
     # caches
     bs = config.block_size
-    num_kv_layers = len(mcfg.attention_layers) + (mtp is not None)  # the MTP layer has a KV cache too
+    windows = [mcfg.layer_window(i) for i in mcfg.attention_layers]
+    groups = kv_cache_groups([None] * len(windows) if config.disable_hybrid_kv_cache_manager else windows)
+    if len(groups) > 1 and elastic is not None:
+        raise ValueError("enable_elastic_memory does not support a model with several KV cache groups (sliding-window "
+                         "and full-attention layers, gpt-oss) yet; turn it off")
+    # layer k of each group uses KV tensor k; the MTP layer has a KV cache too
+    num_kv_layers = max(len(g.layers) for g in groups) + (mtp is not None)
     heads, k_dim, v_dim = mcfg.kv_cache_dims
     block_bytes = kv_block_bytes(num_kv_layers, bs, heads, k_dim, dtype, v_dim)
-    mha_per_token = _log_kv_bytes(mcfg, num_kv_layers, block_bytes // bs, dtype)
-    num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, max_model_len, config.max_num_seqs)
+    mha_per_token = _log_kv_bytes(mcfg, len(mcfg.attention_layers) + (mtp is not None), block_bytes // bs, dtype)
+    num_blocks = num_kv_blocks(config.kv_cache_memory_bytes, block_bytes, bs, max_model_len, config.max_num_seqs,
+                               len(groups))
     if elastic is not None:
         num_blocks = elastic.num_blocks
     kv_cache = KVCacheManager(num_blocks, bs, config.enable_prefix_caching,
-                              offline_blocks=elastic.offline_blocks() if elastic is not None else ())
+                              offline_blocks=elastic.offline_blocks() if elastic is not None else (),
+                              window=groups[0].window)
+    other_groups = [KVCacheManager(0, bs, config.enable_prefix_caching, pool=kv_cache.pool, window=g.window, group=i)
+                    for i, g in enumerate(groups[1:], start=1)]
+    layer_tensor = [0] * len(mcfg.attention_layers)
+    for g in groups:
+        for k, a in enumerate(g.layers):
+            layer_tensor[a] = k
     if elastic is not None:
         elastic.bind(store, kv_cache)
     state_pool = _make_state_pool(config, mcfg, dtype, device) if mcfg.is_hybrid else None
     checkpoints = None
     if state_pool is not None and config.enable_prefix_caching:
         checkpoints = StateCheckpointPool(state_pool, config.state_checkpoint_host_bytes)
-    coordinator = KVCacheCoordinator(kv_cache, state_pool, checkpoints, config.state_checkpoint_interval, elastic)
+    coordinator = KVCacheCoordinator(kv_cache, state_pool, checkpoints, config.state_checkpoint_interval, elastic,
+                                     other_groups)
     scheduler = Scheduler(coordinator, config.max_num_seqs, config.max_num_batched_tokens)
     runner = ModelRunner(model, num_blocks, bs, dtype, device, state_pool, recorder, mtp, vision,
-                         elastic.kv_caches() if elastic is not None else None)
+                         elastic.kv_caches() if elastic is not None else None, layer_tensor)
     eos = set(mcfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -1,11 +1,18 @@
 """KVCacheCoordinator: the one owner of a request's cache state, for every kind of layer.
 
 Follows vLLM v1's KVCacheCoordinator (vllm/v1/core/kv_cache_coordinator.py), which puts
-the full-attention and Mamba managers of a hybrid model behind one interface. Here it
-holds:
-- the paged KV blocks of the full-attention layers and their prefix cache (`KVCacheManager`);
+one manager per KV cache group behind one interface. Here it holds:
+- the paged KV blocks of the attention layers and their prefix cache: one
+  `KVCacheManager` per group over one block pool; a model that interleaves sliding-window
+  and full attention (gpt-oss) has a full group (`kv`) and a sliding-window group, whose
+  blocks behind the window go back to the pool as the request advances;
 - hybrid models: the linear-attention state slots (`StatePool`) and the state checkpoints
   of the prefix cache (`StateCheckpointPool`).
+
+Prefix hits over several groups (vLLM's HybridKVCacheCoordinator): the longest block-aligned
+prefix for which every group has what it needs, the full group every block from the start,
+a sliding group the blocks that hold the last `window - 1` tokens before the hit point
+(`KVCacheManager.window_hit`). The block size stays the user's.
 
 The scheduler calls `find_prefix` / `allocate_slots` / `admit` / `free` while it decides,
 and `prepare_states` once it has chosen the step's requests (it makes their states resident
@@ -32,10 +39,12 @@ The attention block size stays what the user set; a hit recomputes at most
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moestream.engine.elastic_memory import ElasticMemory  # noqa: TC001
-from moestream.engine.kv_cache import KVCacheManager, PrefixCacheStats
+from moestream.engine.block_pool import PrefixCacheStats
+from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import Request
 from moestream.engine.state_checkpoints import StateCheckpointPool
 from moestream.engine.state_pool import StatePool
@@ -51,12 +60,15 @@ class PrefixHit:
         checkpoint: hybrid models: the block hash of the state checkpoint to restore, or None.
         branch_point: tokens whose KV blocks are cached (>= num_tokens); on a hybrid model
             the ones past `num_tokens` are recomputed and a checkpoint is captured here.
+        group_blocks: with several KV cache groups, the blocks each group after the first
+            takes (NULL_BLOCK for those behind its window).
     """
 
     blocks: list[int]
     num_tokens: int
     checkpoint: bytes | None = None
     branch_point: int = 0
+    group_blocks: tuple[list[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,7 +90,9 @@ class KVCacheCoordinator:
     """Allocation, prefix hits and freeing across KV blocks, state slots and checkpoints.
 
     Args:
-        kv: the block manager of the full-attention layers.
+        kv: the block manager of the first KV cache group (the full-attention layers).
+        groups: the block managers of the other groups, sharing kv's pool (gpt-oss: its
+            sliding-window layers).
         state_pool: hybrid models: the linear-attention state slots; None otherwise.
         checkpoints: hybrid models with prefix caching: the state checkpoint pool.
         state_checkpoint_interval: tokens between checkpoints in a prompt (a multiple of
@@ -96,11 +110,15 @@ class KVCacheCoordinator:
         checkpoints: StateCheckpointPool | None = None,
         state_checkpoint_interval: int = 512,
         elastic: ElasticMemory | None = None,
+        groups: Sequence[KVCacheManager] = (),
     ) -> None:
         if state_checkpoint_interval < 1 or state_checkpoint_interval % kv.block_size:
             raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {kv.block_size}, "
                              f"got {state_checkpoint_interval}")
+        if any(g.pool is not kv.pool for g in groups):
+            raise ValueError("every KV cache group must allocate from the same block pool")
         self.kv = kv
+        self.groups: list[KVCacheManager] = [kv, *groups]
         self.state_pool = state_pool
         self.checkpoints = checkpoints
         self.interval = state_checkpoint_interval
@@ -130,6 +148,8 @@ class KVCacheCoordinator:
 
     def find_prefix(self, req: Request) -> PrefixHit:
         """The longest usable cached prefix of a waiting request's tokens (nothing taken)."""
+        if len(self.groups) > 1 or self.kv.window is not None:
+            return self._find_group_prefix(req)
         blocks = self.kv.get_computed_blocks(req.request_id, req.token_ids, req.mm_hash_spans)
         bs = self.block_size
         if self.state_pool is None:
@@ -142,19 +162,54 @@ class KVCacheCoordinator:
             j -= 1
         return PrefixHit(blocks[:j], j * bs, hashes[j - 1] if j else None, len(blocks) * bs)
 
+    def _find_group_prefix(self, req: Request) -> PrefixHit:
+        """`find_prefix` over several KV cache groups (or one sliding-window group): the
+        longest j blocks that every group can supply (`KVCacheManager.window_hit`), j at
+        most the full groups' cached run and (len - 1) // block_size, as vLLM hits at most
+        len - 1 tokens."""
+        kv, bs = self.kv, self.block_size
+        if not kv.enable_prefix_caching or kv.block_table(req.request_id):
+            return PrefixHit([], 0, None, 0, tuple([] for _ in self.groups[1:]))
+        hashes = kv.block_hashes(req.request_id, req.token_ids, (req.num_tokens - 1) // bs, req.mm_hash_spans)
+        j = len(hashes)
+        for g in self.groups:
+            if g.window is None:  # a full group's hit is a run of cached blocks from the start
+                j = next((i for i, h in enumerate(hashes[:j]) if g.cached_block(h) is None), j)
+        while j > 0:
+            hits = [g.window_hit(hashes, j) for g in self.groups]
+            if all(h is not None for h in hits):
+                return PrefixHit(hits[0], j * bs, None, j * bs, tuple(hits[1:]))
+            j -= 1
+        return PrefixHit([], 0, None, 0, tuple([] for _ in self.groups[1:]))
+
     def allocate_slots(self, req: Request, num_tokens: int, hit: PrefixHit | None = None,
                        may_grow: bool = False) -> bool:
-        """Blocks for `num_tokens` of `req`'s tokens (a new request's table starts with
-        `hit.blocks`). Returns False, taking nothing, when the pool is too small. With
-        `may_grow` (a running request) and elastic memory, expert slots are turned into KV
-        blocks first."""
-        computed = hit.blocks if hit is not None else ()
-        if self.kv.allocate_slots(req.request_id, num_tokens, computed):
-            return True
-        if not may_grow or self.elastic is None:
+        """Blocks for `num_tokens` of `req`'s tokens in every KV cache group (a new request's
+        tables start with `hit`'s blocks); a sliding-window group first gives back the
+        request's blocks behind the window of its next token. Returns False, taking
+        nothing, when the pool is too small. With `may_grow` (a running request) and
+        elastic memory, expert slots are turned into KV blocks first."""
+        rid = req.request_id
+        computed = [hit.blocks if hit is not None else (), *(hit.group_blocks if hit is not None and hit.group_blocks
+                                                             else [()] * (len(self.groups) - 1))]
+        if len(self.groups) == 1 and self.kv.window is None:
+            if self.kv.allocate_slots(rid, num_tokens, computed[0]):
+                return True
+            if not may_grow or self.elastic is None:
+                return False
+            self.elastic.grow_kv(self.kv.blocks_short(rid, num_tokens, computed[0]))
+            return self.kv.allocate_slots(rid, num_tokens, computed[0])
+        for g in self.groups:
+            g.remove_skipped_blocks(rid, req.num_computed_tokens)
+        needed = sum(g.new_blocks_needed(rid, num_tokens, c) for g, c in zip(self.groups, computed))
+        if needed > self.kv.num_free_blocks:
             return False
-        self.elastic.grow_kv(self.kv.blocks_short(req.request_id, num_tokens, computed))
-        return self.kv.allocate_slots(req.request_id, num_tokens, computed)
+        for g, c in zip(self.groups, computed):  # every group's hits leave the free queue first
+            g.take_hits(rid, c)
+        for g in self.groups:
+            ok = g.allocate_slots(rid, num_tokens)
+            assert ok, "a KV cache group's allocation failed after the pool was checked"
+        return True
 
     def release_kv(self, reserve_blocks: int) -> None:
         """KV demand fell (no request waits): elastic memory gives borrowed pages whose blocks
@@ -185,6 +240,8 @@ class KVCacheCoordinator:
             hashes = self.kv.block_hashes(rid, req.token_ids, n, req.mm_hash_spans) if n else []
             useful = next((i + 1 for i in reversed(range(n)) if hashes[i] in self.checkpoints), 0)
         self.kv.free(rid, useful)
+        for g in self.groups[1:]:
+            g.free(rid)
         if self.state_pool is not None:
             self.state_pool.free(rid)
         self._restore.pop(rid, None)
@@ -268,8 +325,10 @@ class KVCacheCoordinator:
                 if self.state_pool is not None and req.num_computed_tokens > verify[0]:
                     # The slot takes the state after the last accepted position.
                     self.state_pool.accept(rid, req.num_computed_tokens - verify[0], verify[1])
-                self.kv.trim(rid, req.num_computed_tokens + 1)  # blocks taken for rejected drafts go back
-            self.kv.cache_blocks(rid, req.token_ids, req.num_computed_tokens, req.mm_hash_spans)
+                for g in self.groups:  # blocks taken for rejected drafts go back
+                    g.trim(rid, req.num_computed_tokens + 1)
+            for g in self.groups:
+                g.cache_blocks(rid, req.token_ids, req.num_computed_tokens, req.mm_hash_spans)
             self._branch.pop(rid, None)
         bs = self.block_size
         for req, key, num_tokens, row, decode in self._pending:
@@ -299,7 +358,18 @@ class KVCacheCoordinator:
     # ---- reading --------------------------------------------------------------------
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's block table in the first KV cache group."""
         return self.kv.block_table(request_id)
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table in each KV cache group, in group order."""
+        return [g.block_table(request_id) for g in self.groups]
+
+    def kv_group_stats(self) -> list[dict]:
+        """Per KV cache group: its kind ("full" or "sliding"), window (tokens or None) and
+        the distinct blocks its requests hold now."""
+        return [{"kind": "full" if g.window is None else "sliding", "window": g.window,
+                 "used_blocks": g.num_used_blocks} for g in self.groups]
 
     def prefix_cache_stats(self) -> dict:
         """Prefix-cache figures: enabled, queries, hits, hit_rate (tokens), evictions

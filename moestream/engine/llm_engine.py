@@ -226,12 +226,12 @@ class LLMEngine:
         return self.coordinator.prefix_cache_stats()
 
     def kv_cache_stats(self) -> dict:
-        """KV cache figures: bytes_per_token (bytes, all KV layers), block_size (tokens),
-        num_blocks and free_blocks (now), and for MLA models `mha_bytes_per_token`, what
-        expanded per-head keys and values would take."""
+        """KV cache figures: bytes_per_token (a block's token slot), block_size, num_blocks and
+        free_blocks, `groups` (per KV cache group: kind, window, used_blocks), and for MLA
+        `mha_bytes_per_token`, what expanded per-head keys and values would take."""
         kv = self.coordinator.kv
-        stats = {"bytes_per_token": self.kv_cache_bytes_per_token, "block_size": self.config.block_size,
-                 "num_blocks": kv.num_blocks, "free_blocks": kv.num_free_blocks}
+        stats = {"bytes_per_token": self.kv_cache_bytes_per_token, "block_size": self.config.block_size, "num_blocks":
+                 kv.num_blocks, "free_blocks": kv.num_free_blocks, "groups": self.coordinator.kv_group_stats()}
         if self.kv_cache_mha_bytes_per_token is not None:
             stats["mha_bytes_per_token"] = self.kv_cache_mha_bytes_per_token
         return stats

@@ -23,9 +23,11 @@ from moestream.multimodal.vision import VisionEncoder
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors: per full-attention layer (k, v), each
+    """Owns the model and the KV cache tensors: per attention layer (k, v), each
     [num_blocks, block_size, heads, dim] in the model dtype, with (heads, k dim, v dim) the
-    config's `kv_cache_dims` (MLA: one latent head and an empty v). Linear-attention
+    config's `kv_cache_dims` (MLA: one latent head and an empty v). With several KV cache
+    groups, attention layer a uses tensor `layer_tensor[a]`, its rank in its group: one
+    layer of each group shares a tensor, and a block id belongs to one group at a time. Linear-attention
     layers have no KV cache; their states are the `state_pool`'s.
 
     The runner decides nothing: the scheduler output names the requests, their token
@@ -56,6 +58,7 @@ class ModelRunner:
         mtp: nn.Module | None = None,
         vision: VisionEncoder | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        layer_tensor: list[int] | None = None,
     ) -> None:
         cfg = model.config
         self.vision = vision
@@ -65,20 +68,26 @@ class ModelRunner:
         self.state_pool = state_pool
         self.recorder = recorder
         heads, k_dim, v_dim = cfg.kv_cache_dims
+        num_layers = len(cfg.attention_layers)
+        if layer_tensor is None:
+            layer_tensor = list(range(num_layers))
         if kv_caches is None:  # else given: an elastic memory pool's views, the MTP layer's last
             kv_caches = [(torch.zeros((num_blocks, block_size, heads, k_dim), dtype=dtype, device=device),
                           torch.zeros((num_blocks, block_size, heads, v_dim), dtype=dtype, device=device))
-                         for _ in range(len(cfg.attention_layers) + (mtp is not None))]
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = kv_caches[: len(cfg.attention_layers)]
+                         for _ in range(max(layer_tensor, default=-1) + 1 + (mtp is not None))]
+        num_tensors = max(layer_tensor, default=-1) + 1
+        # attention layer a reads and writes tensor layer_tensor[a] (shared by one layer of each KV cache group)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [kv_caches[t] for t in layer_tensor]
         self.mtp = mtp  # speculative method "mtp": the checkpoint's MTP layer, with its own KV cache
-        self.mtp_kv = kv_caches[len(cfg.attention_layers)] if mtp is not None else None
+        self.mtp_kv = kv_caches[num_tensors] if mtp is not None else None
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: dict[str, tuple[int, int]] = {}
 
     def attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
-                            slots: list[int]) -> AttentionMetadata:
+                            slots: list[int], sliding: AttentionMetadata | None = None) -> AttentionMetadata:
         """Attention metadata of a flat batch: request i owns rows [qsl[i], qsl[i+1]), sees
-        seq_lens[i] tokens through block table tables[i]; row r's KV goes to slots[r]."""
+        seq_lens[i] tokens through block table tables[i]; row r's KV goes to slots[r].
+        `sliding`: the sliding-window group's metadata, on a model with two groups."""
         dev = self.device
         width = max(len(t) for t in tables)
         return AttentionMetadata(
@@ -89,7 +98,25 @@ class ModelRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             block_size=self.block_size,
+            sliding=sliding,
         )
+
+    def batch_metadata(self, coordinator: KVCacheCoordinator, spans: list[tuple[str, int, int]]) -> AttentionMetadata:
+        """Attention metadata of a flat batch whose rows are, in order, the positions
+        [start, end) of each (request id, start, end), each request seeing `end` tokens,
+        with the block tables of every KV cache group (a second group: `sliding`)."""
+        qsl = [0]
+        for _, start, end in spans:
+            qsl.append(qsl[-1] + end - start)
+        seq_lens = [end for _, _, end in spans]
+        metas = []
+        for g in range(len(coordinator.groups)):
+            tables = [coordinator.groups[g].block_table(rid) for rid, _, _ in spans]
+            slots = [slot_of(t, p, self.block_size) for t, (_, start, end) in zip(tables, spans)
+                     for p in range(start, end)]
+            metas.append((tables, slots))
+        sliding = self.attention_metadata(qsl, seq_lens, *metas[1]) if len(metas) > 1 else None
+        return self.attention_metadata(qsl, seq_lens, *metas[0], sliding=sliding)
 
     def rope_positions(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """Rotary positions of a flat batch whose rows are, in order, the token indices
@@ -145,7 +172,8 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors (all full-attention layers, and the MTP layer's)."""
         caches = self.kv_caches + ([self.mtp_kv] if self.mtp_kv is not None else [])
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
+        unique = {id(k): (k, v) for k, v in caches}.values()  # groups share tensors
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in unique)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, coordinator: KVCacheCoordinator
@@ -162,10 +190,7 @@ class ModelRunner:
             raise ValueError("a hybrid model's step needs the scheduler's state plan")
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         qsl = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
         samplers: list[Request] = []
         num_rows: list[int] = []
@@ -174,18 +199,14 @@ class ModelRunner:
             draft = req.spec_token_ids
             input_ids.extend((req.token_ids + draft if draft else req.token_ids)[start : start + n])
             positions.extend(range(start, start + n))
-            table = coordinator.block_table(req.request_id)
-            bs = self.block_size
-            slots.extend(slot_of(table, p, bs) for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(table)
             if start + n == req.num_tokens + len(draft):  # its last token and any drafts: sample each
                 sample_rows.extend(range(qsl[-1] - 1 - len(draft), qsl[-1]))
                 num_rows.append(1 + len(draft))
                 samplers.append(req)
         dev = self.device
-        meta = self.attention_metadata(qsl, seq_lens, tables, slots)
+        meta = self.batch_metadata(coordinator, [(r.request_id, r.num_computed_tokens, r.num_computed_tokens + n)
+                                                 for r, n in scheduled])
         state_caches, state_meta = None, None
         if self.state_pool is not None:
             plan = sched.states

@@ -26,6 +26,10 @@ class AttentionMetadata:
         slot_mapping: [T] int64; cache slot (block_id * block_size + offset) of each new token.
         query_start_loc_cpu, seq_lens_cpu: the same as Python lists, to avoid device syncs.
         block_size: tokens per block.
+        sliding: a model with a sliding-window KV cache group next to its full-attention
+            one (gpt-oss): that group's block tables and slot mapping, which the layers
+            with a window read and write; None otherwise. Entries of blocks behind the
+            window are -1 (`NULL_BLOCK`) and never read.
     """
 
     query_start_loc: torch.Tensor
@@ -35,6 +39,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    sliding: AttentionMetadata | None = None
 
 
 class AttentionBackend(Protocol):
@@ -90,6 +95,8 @@ class TorchAttentionBackend:
         latent_values: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None and meta.sliding is not None:
+            meta = meta.sliding  # the sliding-window group's blocks
         num_kv_heads = k.shape[1]
         bs = meta.block_size
         for cache, new in ((k_cache, k),) if v is None else ((k_cache, k), (v_cache, v)):
@@ -108,12 +115,15 @@ class TorchAttentionBackend:
                 continue
             qs, qe, ctx = qsl[i], qsl[i + 1], lens[i]
             n = qe - qs
-            blocks = meta.block_tables[i, : (ctx + bs - 1) // bs]
-            keys = gather_blocks(k_cache, blocks).flatten(0, 1)[:ctx]  # [ctx, Hk, D]
-            # [ctx, Hk, Dv]; MLA: the values are the latent part of the keys
-            vals = keys[..., :latent_values] if latent_values else gather_blocks(v_cache, blocks).flatten(0, 1)[:ctx]
+            # with a window, the keys from the first block the first query can see
+            first = 0 if sliding_window is None else max(0, ctx - n - sliding_window + 1) // bs
+            blocks = meta.block_tables[i, first : (ctx + bs - 1) // bs]
+            keys = gather_blocks(k_cache, blocks).flatten(0, 1)[: ctx - first * bs]  # [S, Hk, D]
+            # [S, Hk, Dv]; MLA: the values are the latent part of the keys
+            vals = keys[..., :latent_values] if latent_values else gather_blocks(v_cache, blocks).flatten(0, 1)[
+                : ctx - first * bs]
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
+            k_pos = torch.arange(first * bs, ctx, device=q.device)[None, :]  # [1, S]
             mask = k_pos <= q_pos  # [n, ctx]
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
@@ -150,16 +160,24 @@ class TorchAttentionBackend:
         """All one-token (decode) requests in one SDPA call: their blocks gathered and padded
         to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
         bs = meta.block_size
-        width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs
         dev = q.device
         idx = torch.tensor(decodes, device=dev)
         rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
-        tables = meta.block_tables[idx, :width]  # [b, W]
+        ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
+        if sliding_window is None:
+            width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs
+            tables = meta.block_tables[idx, :width]  # [b, W]
+            k_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, W*bs]
+        else:  # only the blocks inside each row's window: from the block of position ctx - window
+            firsts = [max(0, meta.seq_lens_cpu[i] - sliding_window) // bs for i in decodes]
+            width = max((meta.seq_lens_cpu[i] + bs - 1) // bs - f for i, f in zip(decodes, firsts))
+            first = torch.tensor(firsts, device=dev)[:, None]  # [b, 1]
+            cols = (first + torch.arange(width, device=dev)[None, :]).clamp_(max=meta.block_tables.shape[1] - 1)
+            tables = meta.block_tables[idx].gather(1, cols)  # [b, W]
+            k_pos = first * bs + torch.arange(width * bs, device=dev)[None, :]  # [b, W*bs] absolute positions
         keys = gather_blocks(k_cache, tables).flatten(1, 2)  # [b, W*bs, Hk, D]
         # [b, W*bs, Hk, Dv]
         vals = keys[..., :latent_values] if latent_values else gather_blocks(v_cache, tables).flatten(1, 2)
-        ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
-        k_pos = torch.arange(width * bs, device=dev)[None, :]  # [1, W*bs]
         mask = k_pos < ctx  # [b, W*bs]
         if sliding_window is not None:
             mask &= k_pos > ctx - 1 - sliding_window

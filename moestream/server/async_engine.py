@@ -67,6 +67,8 @@ class EngineSnapshot:
         num_state_swap_ins: states swapped back in from host so far.
         prefix_cache_stats: `LLMEngine.prefix_cache_stats()` (queries, hits, cached blocks).
         spec_decode_stats: `LLMEngine.spec_decode_stats()` (drafts, draft and accepted tokens).
+        kv_groups: per KV cache group, its kind ("full" / "sliding") and the blocks its
+            requests hold (`KVCacheCoordinator.kv_group_stats`).
     """
 
     num_running: int = 0
@@ -80,6 +82,7 @@ class EngineSnapshot:
     num_state_swap_ins: int = 0
     prefix_cache_stats: dict = field(default_factory=dict)
     spec_decode_stats: dict = field(default_factory=dict)
+    kv_groups: list = field(default_factory=list)
 
 
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -97,6 +100,7 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         num_state_swap_ins=pool.num_swap_ins if pool is not None else 0,
         prefix_cache_stats=engine.prefix_cache_stats(),
         spec_decode_stats=engine.spec_decode_stats(),
+        kv_groups=engine.coordinator.kv_group_stats(),
     )
 
 

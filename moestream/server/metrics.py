@@ -43,6 +43,12 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("moestream:kv_cache_blocks_total", "KV cache blocks in all.", s.num_blocks)
         yield GaugeMetricFamily("moestream:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
                                 used / s.num_blocks if s.num_blocks else 0.0)
+        groups = GaugeMetricFamily("moestream:kv_cache_group_blocks",
+                                   "KV cache blocks held by requests, per KV cache group (full / sliding window).",
+                                   labels=["group"])
+        for g in s.kv_groups:
+            groups.add_metric([g["kind"]], float(g["used_blocks"]))
+        yield groups
         x = s.expert_stats
         yield GaugeMetricFamily("moestream:expert_hit_rate",
                                 "Fraction of routed-expert accesses served from a device slot (1 when all resident).",

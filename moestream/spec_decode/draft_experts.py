@@ -14,7 +14,6 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from moestream.engine.kv_cache import slot_of
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request
@@ -107,7 +106,7 @@ def draft_pass(runner: ModelRunner, requests: list[Request], lengths: list[int],
     Returns: the drafts, lengths[i] token ids each (greedy: one point-mass proposal per
     position, verified by the target's own samples).
     """
-    dev, bs = runner.device, runner.block_size
+    dev = runner.device
     pool = runner.state_pool
     rows: list[int] = []
     if pool is not None:
@@ -119,17 +118,13 @@ def draft_pass(runner: ModelRunner, requests: list[Request], lengths: list[int],
     with resident_only_experts(runner.model):  # one executor swap for the whole draft pass
         for j in range(max(lengths, default=0)):
             live = [i for i, n in enumerate(lengths) if n > j]
-            ids, positions, slots, tables = [], [], [], []
+            ids, positions = [], []
             for i in live:
                 req = requests[i]
-                pos = req.num_tokens - 1 + j
                 ids.append(drafts[i][-1] if j else req.token_ids[-1])
-                positions.append(pos)
-                table = coordinator.block_table(req.request_id)
-                slots.append(slot_of(table, pos, bs))
-                tables.append(table)
+                positions.append(req.num_tokens - 1 + j)
             qsl = list(range(len(live) + 1))
-            meta = runner.attention_metadata(qsl, [p + 1 for p in positions], tables, slots)
+            meta = runner.batch_metadata(coordinator, [(requests[i].request_id, p, p + 1) for i, p in zip(live, positions)])
             state_caches, state_meta = None, None
             if pool is not None:
                 live_rows = [rows[i] for i in live]
