@@ -54,6 +54,22 @@ def test_alone_equals_batches_of_4_and_16(wide_dir: str, dtype: str) -> None:
         assert paged.expert_stats()["misses"] > 0
 
 
+def test_gpt_oss_alone_equals_a_batch_of_16(gpt_oss_dir: str) -> None:
+    """gpt-oss (attention sinks, sliding-window KV group, biased experts): bf16 tokens and
+    logprobs alone equal those in a batch of 16, past the 16-token window."""
+    prompts = _prompts()
+    llm = LLM(gpt_oss_dir, dtype="bfloat16", batch_invariant=True, max_num_seqs=16, enable_prefix_caching=False,
+              block_size=4)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3)
+
+    def run(ps: list[list[int]]) -> list:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in step.items()}
+                                                for step in o.outputs[0].logprobs]) for o in outs]
+
+    assert [run([p])[0] for p in prompts] == run(prompts)
+
+
 def test_float32_pointwise_tails(tmp_path: Path) -> None:
     """Regression: in float32 the router's sigmoid over 8 experts and a dense MLP's silu over
     100 columns ran partly in torch's scalar tail code, so a row's logprobs depended on the

@@ -1,7 +1,7 @@
 """`draft_experts` self-speculation: the model drafts greedily with each MoE layer routed
 only to experts on the device, then verifies with the full model. Greedy output under a 25%
-expert budget equals the resident run's on all four architectures, with acceptance
-reported; with every expert resident the draft pass is the full model, so every draft is
+expert budget equals the resident run's on five architectures (gpt-oss with its
+sliding-window KV group among them), with acceptance reported; with every expert resident the draft pass is the full model, so every draft is
 accepted (a check of its KV writes and, on hybrid models, its state copy); the draft's
 unrestricted routing is handed to the prefetcher; no block, slot or row leaks."""
 
@@ -38,7 +38,7 @@ def _no_leaks(llm: LLM) -> None:
         assert engine.state_pool.num_resident() == 0
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss"])
 def any_model(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -130,7 +130,7 @@ class EngineConfig:
     batch_invariant: bool = option(False, "a request's output and logits do not depend on the other requests in "
                                           "its batch (vLLM's batch-invariant mode): fixed-size matmul calls, decode "
                                           "attention per request; slower; full-attention models only (Qwen3-MoE, "
-                                          "Mixtral, GLM-4.5); with speculative decoding it fixes k")
+                                          "Mixtral, GLM-4.5, gpt-oss); with speculative decoding it fixes k")
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '
