@@ -231,12 +231,15 @@ def _sink_attention(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, mas
     reads kv head h // (Hq / Hk)), mask [b, n, S] bool (True: attend), sinks [Hq]
     -> [b, n, Hq, Dv] in q's dtype.
     """
-    b, n, hq, _ = q.shape
-    rep = hq // keys.shape[2]
-    kf = keys.float().repeat_interleave(rep, dim=2)  # [b, S, Hq, D]
-    vf = vals.float().repeat_interleave(rep, dim=2)  # [b, S, Hq, Dv]
-    scores = torch.einsum("bnhd,bshd->bhns", q.float(), kf) * scale  # [b, Hq, n, S]
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, n, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [b, Hq, n, S]
-    return torch.einsum("bhns,bshd->bnhd", probs, vf).to(q.dtype)  # [b, n, Hq, Dv]
+    b, n, hq, d = q.shape
+    hk = keys.shape[2]
+    rep = hq // hk
+    qf = q.float().view(b, n, hk, rep, d).permute(0, 2, 3, 1, 4)  # [b, Hk, rep, n, D]
+    kf = keys.float().permute(0, 2, 1, 3).unsqueeze(2)  # [b, Hk, 1, S, D]: no per-query-head copies
+    vf = vals.float().permute(0, 2, 1, 3).unsqueeze(2)  # [b, Hk, 1, S, Dv]
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [b, Hk, rep, n, S]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    sink = sinks.float().view(1, hk, rep, 1, 1).expand(b, hk, rep, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [b, Hk, rep, n, S]
+    out = torch.matmul(probs, vf)  # [b, Hk, rep, n, Dv]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, n, hq, -1).to(q.dtype)  # [b, n, Hq, Dv]
