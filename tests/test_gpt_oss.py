@@ -304,3 +304,8 @@ def test_one_group_when_the_hybrid_manager_is_disabled(gpt_oss_dir: str) -> None
     run = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
            for llm in (grouped, single)]
     assert run[0] == run[1]
+
+
+def test_elastic_memory_refused_with_two_groups(gpt_oss_dir: str) -> None:
+    with pytest.raises(ValueError, match="several KV cache groups"):
+        LLM(gpt_oss_dir, dtype="float32", expert_budget=0.5, enable_elastic_memory=True)
