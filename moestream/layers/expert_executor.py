@@ -39,7 +39,7 @@ from torch import nn
 from moestream.config import ExpertActivation
 from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
-from moestream.layers.activation import gated_activation, silu
+from moestream.layers.activation import gated_activation
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
 from moestream.quantization.packed import dequantize_expert
 
@@ -144,8 +144,7 @@ class ResidentExpertExecutor:
         if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
             # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
             aligned = all(d * down.element_size() % 16 == 0 for d in down.shape[1:])
-            plain = self.act == SWIGLU and self.bias is None  # biased or other activations: the loop
-            self.grouped = plain and aligned and grouped_mm_matches_linear(x.dtype, x.device)
+            self.grouped = aligned and grouped_mm_matches_linear(x.dtype, x.device)
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
@@ -159,6 +158,7 @@ class ResidentExpertExecutor:
             return _loop(x, token_of, pair_weight, counts_list, active,
                          lambda e: ExpertWeights(gate_up[e], down[e]), self.row_tile, out, self.act, self.bias)
         pairs, t = topk_ids.numel(), x.shape[0]
+        expert_of = topk_ids.flatten()[order]  # [T*k] the expert of each sorted pair
         if pairs > ONEDNN_ROW_BUCKET and buckets_rows(x, gate_up):
             # Each expert's group padded to `bucket_rows` of its count, as `linear` pads a
             # call. The row count is read on the host: this path only runs on CPU.
@@ -166,17 +166,24 @@ class ResidentExpertExecutor:
                                  // ONEDNN_ROW_BUCKET * ONEDNN_ROW_BUCKET, counts)  # [E]
             offsets = torch.cumsum(padded, 0, dtype=torch.int32)  # [E] end row of each padded group
             shift = (offsets - padded) - (torch.cumsum(counts, 0) - counts)  # [E] padded start - start
-            dest = torch.arange(pairs, device=x.device) + shift[topk_ids.flatten()[order]]  # [T*k] padded row
+            dest = torch.arange(pairs, device=x.device) + shift[expert_of]  # [T*k] padded row
             target = torch.full((int(offsets[-1]),), t, dtype=token_of.dtype, device=x.device)  # [P]
             target[dest] = token_of  # the token of each padded row; t (a zero row) for padding
             weight = pair_weight.new_zeros(target.shape).index_copy_(0, dest, pair_weight)  # [P]
             rows = torch.cat([x, x.new_zeros(1, x.shape[1])])[target]  # [P, H] grouped by expert
             out = x.new_zeros(t + 1, x.shape[1], dtype=torch.float32)  # [T + 1, H]; row t takes the padding
+            # padding rows take the bias of the group before (weight 0, row t: never read)
+            expert_of = torch.searchsorted(offsets, torch.arange(len(target), dtype=offsets.dtype, device=x.device),
+                                           right=True)
         else:
             offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
             target, weight, rows = token_of, pair_weight, x[token_of]  # [T*k], [T*k], [T*k, H]
-        gate, up = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)  # [P, I] each
-        y = torch._grouped_mm(silu(gate, invariant=True) * up, down.transpose(1, 2), offs=offsets)  # [P, H]
+        h = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)  # [P, 2I]
+        if self.bias is not None:  # added after the matmul, as `expert_swiglu` adds it
+            h = h + self.bias.gate_up_proj_bias[expert_of]
+        y = torch._grouped_mm(gated_activation(h, self.act), down.transpose(1, 2), offs=offsets)  # [P, H]
+        if self.bias is not None:
+            y = y + self.bias.down_proj_bias[expert_of]
         return weighted_sum(out, target, y, weight)[:t]
 
 
