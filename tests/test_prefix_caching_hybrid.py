@@ -121,7 +121,8 @@ def test_no_checkpoints_without_prefix_caching(qwen3_next_dir: str) -> None:
 
 
 @pytest.mark.parametrize("bad,msg", [
-    ({"state_checkpoint_interval": 24}, "state_checkpoint_interval must be a positive multiple of block_size 16"),
+    ({"state_checkpoint_interval": 24}, "state_checkpoint_interval must be a positive multiple of block_size 16 for a model with linear"),
+    ({"state_checkpoint_interval": 0}, "state_checkpoint_interval must be a positive integer"),
     ({"max_state_checkpoints": -1}, "max_state_checkpoints must be a non-negative integer"),
     ({"state_checkpoint_host_bytes": -5}, "state_checkpoint_host_bytes must be a non-negative integer"),
 ])

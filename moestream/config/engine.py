@@ -223,10 +223,9 @@ class EngineConfig:
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"
             )
-        if not is_int(self.state_checkpoint_interval) or self.state_checkpoint_interval < 1 or (
-            self.state_checkpoint_interval % self.block_size
-        ):
-            raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {self.block_size}, "
+        if not is_int(self.state_checkpoint_interval) or self.state_checkpoint_interval < 1:
+            # the multiple-of-block_size rule applies to hybrid models only: build_engine checks it
+            raise ValueError(f"state_checkpoint_interval must be a positive integer (tokens), "
                              f"got {self.state_checkpoint_interval!r}")
         if self.max_state_checkpoints is not None and (
             not is_int(self.max_state_checkpoints) or self.max_state_checkpoints < 0

@@ -111,6 +111,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         what = "multi-head latent attention" if mcfg.mla is not None else "linear-attention layers"
         raise ValueError(f"batch_invariant is not supported for {name} ({what}: not covered); turn "
                          "batch_invariant off")
+    if mcfg.is_hybrid and config.state_checkpoint_interval % config.block_size:
+        raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {config.block_size} "
+                         f"for a model with linear-attention layers, got {config.state_checkpoint_interval}; "
+                         "set --state-checkpoint-interval to a multiple of --block-size")
     tokenizer = load_tokenizer(config.model)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, mcfg.torch_dtype)

@@ -96,11 +96,12 @@ class KVCacheCoordinator:
         state_pool: hybrid models: the linear-attention state slots; None otherwise.
         checkpoints: hybrid models with prefix caching: the state checkpoint pool.
         state_checkpoint_interval: tokens between checkpoints in a prompt (a multiple of
-            the block size).
+            the block size when there is a state pool; unused otherwise).
         elastic: the page pool shared with the expert store (`ElasticMemory`), or None.
 
     Raises:
-        ValueError: an interval that is not a positive multiple of the block size.
+        ValueError: an interval that is not positive, or (with a state pool) not a multiple
+            of the block size.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class KVCacheCoordinator:
         elastic: ElasticMemory | None = None,
         groups: Sequence[KVCacheManager] = (),
     ) -> None:
-        if state_checkpoint_interval < 1 or state_checkpoint_interval % kv.block_size:
+        if state_checkpoint_interval < 1 or (state_pool is not None and state_checkpoint_interval % kv.block_size):
             raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {kv.block_size}, "
                              f"got {state_checkpoint_interval}")
         if any(g.pool is not kv.pool for g in groups):
