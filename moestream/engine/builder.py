@@ -27,6 +27,7 @@ from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.quantization.registry import make_quant_method
 from moestream.generation_config import default_sampling_fields
+from moestream.kernels.fused_moe import load_fused_moe
 from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
 from moestream.loader import (
@@ -164,6 +165,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model = build_model(mcfg, reader, dtype, device, TorchAttentionBackend(config.batch_invariant), store, method)
     if config.batch_invariant:
         model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
+    model.set_fused_moe(use_fused_moe(config.moe_runner_backend, device, dtype, config.batch_invariant))
     if plan.resident and packed:
         load_packed_experts(packed[0], packed[1], mcfg.num_experts, device, store)
     elif plan.resident:
@@ -228,6 +230,32 @@ def build_engine(config: EngineConfig) -> EngineParts:
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,
     )
+
+
+def use_fused_moe(backend: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
+    """Resolve `moe_runner_backend`: whether the routed experts run through the fused CPU
+    kernel (compiling it on first use). "auto": on CPU, in float32 or bf16, outside the
+    batch-invariant mode, when the kernel compiles.
+
+    Raises:
+        ValueError: "fused_cpu" off CPU, in another dtype, with batch_invariant, or without a
+            working compiler.
+    """
+    supported = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    if backend == "torch" or (backend == "auto" and (not supported or batch_invariant)):
+        return False
+    if backend == "fused_cpu" and not supported:
+        raise ValueError(f"moe_runner_backend fused_cpu runs on CPU in float32 or bfloat16, not {device.type} / "
+                         f"{dtype}; use auto or torch")
+    if backend == "fused_cpu" and batch_invariant:
+        raise ValueError("moe_runner_backend fused_cpu is not batch-invariant across batch sizes; use torch with "
+                         "batch_invariant")
+    if load_fused_moe():
+        return True
+    if backend == "fused_cpu":
+        raise ValueError("moe_runner_backend fused_cpu: the kernel did not build (see the warning above); install "
+                         "a C++ compiler (g++) or use torch")
+    return False
 
 
 def _make_elastic_memory(config: EngineConfig, mcfg: ModelConfig, plan: ExpertPlan, max_model_len: int,

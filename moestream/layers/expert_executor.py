@@ -39,6 +39,7 @@ from torch import nn
 from moestream.config import ExpertActivation
 from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
+from moestream.kernels.fused_moe import ACT_CODES, fused_moe
 from moestream.layers.activation import gated_activation
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
 from moestream.quantization.packed import dequantize_expert
@@ -49,14 +50,23 @@ SWIGLU = ExpertActivation()
 # Rows per chunk of `weighted_sum` (1024 x H float32: 2 MiB at H = 512).
 COMBINE_CHUNK = 1024
 
+# The fused CPU kernel runs a layer when no expert has more rows than this (compute dtype ->
+# rows); above it oneDNN's matmuls (AMX in bf16) are faster (docs/performance.md, "Fused MoE
+# kernel"). One rule for the whole layer, so the resident and paged executors, seeing the
+# same counts, always take the same path.
+FUSED_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 16}
+
 
 class ExpertExecutor(Protocol):
     """forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] int64) -> [T, H] float32:
     sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
-    `row_tile` > 0: batch-invariant mode (see `linear`); set per model."""
+    `row_tile` > 0: batch-invariant mode (see `linear`); `fused`: the fused CPU kernel
+    (`moestream/kernels/fused_moe.py`) runs a layer whose experts have at most
+    `FUSED_MAX_ROWS` rows each. Both are set per model."""
 
     row_tile: int
+    fused: bool
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -101,6 +111,33 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)
 
 
+def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]) -> bool:
+    """Whether the fused kernel runs this layer: turned on, not batch-invariant, on CPU in
+    float32 or bf16, and no expert with more than `FUSED_MAX_ROWS` rows."""
+    limit = FUSED_MAX_ROWS.get(x.dtype, 0)
+    return fused and not row_tile and x.device.type == "cpu" and max(counts) <= limit
+
+
+def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, starts: list[int],
+               counts: list[int], experts: list[int], weights: list[ExpertWeights], act: ExpertActivation,
+               bias: ExpertBias | None, out: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` over `experts` (ascending ids; their sorted pairs are token_of[starts[e]:
+    starts[e + 1]], contiguous since the ids ascend) with `weights` in the same order; adds
+    into out [T, H] float32 and returns it."""
+    lo, hi = starts[experts[0]], starts[experts[-1] + 1]
+    b = None if bias is None else ([bias.gate_up_proj_bias[e] for e in experts],
+                                    [bias.down_proj_bias[e] for e in experts])
+    return fused_moe(x.contiguous(), [w.gate_up for w in weights], [w.down for w in weights], b,
+                     token_of[lo:hi], pair_weight[lo:hi].contiguous(), [counts[e] for e in experts],
+                     ACT_CODES[act.name], act.alpha, act.limit, out)
+
+
+def _fusable(weights: list[ExpertWeights | PackedExpert], dtype: torch.dtype) -> bool:
+    """Whether the fused kernel can read these weights: unpacked, contiguous, in `dtype`."""
+    return all(isinstance(w, ExpertWeights) and w.gate_up.dtype == dtype and w.gate_up.is_contiguous()
+               and w.down.is_contiguous() for w in weights)
+
+
 @functools.cache
 def grouped_mm_matches_linear(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `torch._grouped_mm` computes each group exactly as `linear` computes that
@@ -123,12 +160,20 @@ class ResidentExpertExecutor:
     """
 
     row_tile = 0
+    fused = False
 
     def __init__(self, store: ResidentExpertStore, layer_idx: int, num_experts: int,
                  act: ExpertActivation = SWIGLU, bias: ExpertBias | None = None) -> None:
         self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
         self.act, self.bias = act, bias
         self.grouped: bool | None = None  # grouped_mm_matches_linear for the first call's dtype and device
+        self._views: tuple[int, list[ExpertWeights]] | None = None  # (gate_up's data_ptr, per-expert views)
+
+    def _expert_views(self, gate_up: torch.Tensor, down: torch.Tensor) -> list[ExpertWeights]:
+        """Per-expert views of the stacked weights, made once (again if the store's tensors change)."""
+        if self._views is None or self._views[0] != gate_up.data_ptr():
+            self._views = (gate_up.data_ptr(), [ExpertWeights(g, d) for g, d in zip(gate_up.unbind(0), down.unbind(0))])
+        return self._views[1]
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
@@ -148,6 +193,13 @@ class ResidentExpertExecutor:
         order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        if self.fused and gate_up.dtype == x.dtype:
+            counts_list = counts.tolist()
+            if fused_applies(self.fused, self.row_tile, x, counts_list):
+                active = [e for e, c in enumerate(counts_list) if c]
+                views = self._expert_views(gate_up, down)
+                return _run_fused(x, token_of, pair_weight, [0, *itertools.accumulate(counts_list)], counts_list,
+                                  active, [views[e] for e in active], self.act, self.bias, out)
         # Fewer pairs than half the experts (decode of one or two sequences): torch's CPU
         # grouped matmul walks every group, empty ones too, so the loop over the few active
         # experts is faster there (both compute each expert alike).
@@ -207,6 +259,7 @@ class PagedExpertExecutor:
     prefetched once the first wave is resident."""
 
     row_tile = 0
+    fused = False
 
     def __init__(self, store: ExpertStore, layer_idx: int, num_experts: int, act: ExpertActivation = SWIGLU,
                  bias: ExpertBias | None = None) -> None:
@@ -221,14 +274,20 @@ class PagedExpertExecutor:
         counts_list = counts.tolist()
         active = [e for e, c in enumerate(counts_list) if c]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+        fused = fused_applies(self.fused, self.row_tile, x, counts_list)
+        starts = [0, *itertools.accumulate(counts_list)]
         wave = self.store.max_experts_per_call()
         for w0 in range(0, len(active), wave):  # more experts than slots: run in waves
             chunk = active[w0 : w0 + wave]
-            weights = dict(zip(chunk, self.store.ensure(self.layer_idx, chunk)))
+            ensured = self.store.ensure(self.layer_idx, chunk)
             if w0 == 0 and self.lookahead is not None and self.store.lookahead:
                 self._prefetch_next_layer(x)
-            _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out, self.act,
-                  self.bias)
+            if fused and _fusable(ensured, x.dtype):
+                _run_fused(x, token_of, pair_weight, starts, counts_list, chunk, ensured, self.act, self.bias, out)
+            else:
+                weights = dict(zip(chunk, ensured))
+                _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out,
+                      self.act, self.bias)
         return out
 
     def _prefetch_next_layer(self, x: torch.Tensor) -> None:

@@ -189,6 +189,13 @@ class MoEForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def set_fused_moe(self, fused: bool) -> None:
+        """Run every routed-expert layer through the fused CPU kernel where it applies
+        (`fused_applies` in layers/expert_executor.py), or never."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.experts.fused = fused
+
     def set_row_tile(self, row_tile: int) -> None:
         """Batch-invariant mode (`row_tile` > 0, `linear`'s row tiles) or the default (0), for
         every projection, router and expert executor of the model.
