@@ -116,18 +116,21 @@ inline vec load_f(const bf16* p) {
 #endif
 
 template <typename T, int R, int C>
-inline void dot_tile(const T* A, int64_t lda, const T* const* B, int64_t K, float* out /* [R][C] */) {
-  static_assert(R * C == 16, "a tile is 16 dot products");
+inline void dot_tile(const T* A, int64_t lda, const T* const* B, const T* const* next, int64_t K,
+                     float* out /* [R][C] */) {
+  static_assert(R * C <= 16, "a tile is at most 16 dot products");
   constexpr int64_t S = step_of<T>();
   const int64_t kv = K / S * S;  // the vectorized part of k
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-  vec acc[R * C];
-  for (int i = 0; i < R * C; ++i) acc[i] = vzero();
+  vec acc[16];  // R * C used; the rest stay zero for the reduction
+  for (int i = 0; i < 16; ++i) acc[i] = vzero();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if constexpr (std::is_same<T, bf16>::value) {
     for (int64_t k = 0; k < kv; k += S) {
       __m512bh b[C];
       for (int c = 0; c < C; ++c) b[c] = (__m512bh)_mm512_loadu_si512(B[c] + k);
+      if (next != nullptr)
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(next[c] + k), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         __m512bh a = (__m512bh)_mm512_loadu_si512(A + r * lda + k);
         for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], a, b[c]);
@@ -139,6 +142,8 @@ inline void dot_tile(const T* A, int64_t lda, const T* const* B, int64_t K, floa
     for (int64_t k = 0; k < kv; k += S) {
       vec b[C];
       for (int c = 0; c < C; ++c) b[c] = load_f(B[c] + k);
+      if (next != nullptr)
+        for (int c = 0; c < C; ++c) _mm_prefetch(reinterpret_cast<const char*>(next[c] + k), _MM_HINT_T0);
       for (int r = 0; r < R; ++r) {
         vec a = load_f(A + r * lda + k);
 #if defined(__AVX512F__)
@@ -152,7 +157,7 @@ inline void dot_tile(const T* A, int64_t lda, const T* const* B, int64_t K, floa
 #if defined(__AVX512F__)
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(acc));
-  for (int i = 0; i < 16; ++i) out[i] = sums[4 * (i % 4) + i / 4];  // reduce16 leaves vector i in lane 4(i%4) + i/4
+  for (int i = 0; i < R * C; ++i) out[i] = sums[4 * (i % 4) + i / 4];  // reduce16 leaves vector i in lane 4(i%4) + i/4
 #else
   for (int i = 0; i < R * C; ++i) out[i] = vsum(acc[i]);
 #endif
@@ -166,30 +171,39 @@ inline void dot_tile(const T* A, int64_t lda, const T* const* B, int64_t K, floa
 
 // One tile shape's pass: rows [r0, r1) in groups of R, columns [j0, j1) in groups of C.
 template <typename T, int R, int C>
-void tiles(const T* A, int64_t lda, int64_t r0, int64_t r1, const T* B, int64_t K, int64_t j0, int64_t j1, float* Cm,
-           int64_t ldc) {
+void tiles(const T* A, int64_t lda, int64_t r0, int64_t r1, const T* B, int64_t N, int64_t K, int64_t j0, int64_t j1,
+           float* Cm, int64_t ldc) {
   float tile[16];
   for (int64_t r = r0; r < r1; r += R) {
     for (int64_t j = j0; j < j1; j += C) {
       const int64_t cn = std::min<int64_t>(C, j1 - j);
       const T* cols[C];
+      const T* ahead[C];  // the next tile's columns, prefetched during this one (the first row group only)
       for (int64_t c = 0; c < C; ++c) cols[c] = B + (j + std::min(c, cn - 1)) * K;  // edge: repeat the last
-      dot_tile<T, R, C>(A + r * lda, lda, cols, K, tile);
+      const bool more = r == r0 && j + C < N;  // into the next work item's columns too
+      for (int64_t c = 0; c < C; ++c) ahead[c] = B + std::min(j + C + c, N - 1) * K;
+      dot_tile<T, R, C>(A + r * lda, lda, cols, more ? ahead : nullptr, K, tile);
       for (int64_t i = 0; i < R; ++i)
         for (int64_t c = 0; c < cn; ++c) Cm[(r + i) * ldc + j + c] = tile[i * C + c];
     }
   }
 }
 
-// C[r][j] (float32, ldc) for r < n, j in [j0, j1): rows of A (lda) against rows B[j] (K long).
-// Rows in tiles of ROW_TILE x 4 columns, the rest one row x 16 columns; every dot product
-// sums alike whichever tile it falls in.
+// C[r][j] (float32, ldc) for r < n, j in [j0, j1): rows of A (lda) against rows B[j] (K long, N rows).
+// Rows in tiles of ROW_TILE x 4 columns; the 1-3 rows left over in one tile of 1 x 16, 2 x 8
+// or 3 x 5 (each weight row is read once per tile). Every dot product sums alike whichever
+// tile it falls in.
 template <typename T>
-void gemm_nt(const T* A, int64_t lda, int64_t n, const T* B, int64_t K, int64_t j0, int64_t j1, float* C,
+void gemm_nt(const T* A, int64_t lda, int64_t n, const T* B, int64_t N, int64_t K, int64_t j0, int64_t j1, float* C,
              int64_t ldc) {
   const int64_t full = n / ROW_TILE * ROW_TILE;
-  tiles<T, ROW_TILE, 4>(A, lda, 0, full, B, K, j0, j1, C, ldc);
-  tiles<T, 1, 16>(A, lda, full, n, B, K, j0, j1, C, ldc);
+  tiles<T, ROW_TILE, 4>(A, lda, 0, full, B, N, K, j0, j1, C, ldc);
+  switch (n - full) {
+    case 1: tiles<T, 1, 16>(A, lda, full, n, B, N, K, j0, j1, C, ldc); break;
+    case 2: tiles<T, 2, 8>(A, lda, full, n, B, N, K, j0, j1, C, ldc); break;
+    case 3: tiles<T, 3, 5>(A, lda, full, n, B, N, K, j0, j1, C, ldc); break;
+    default: break;
+  }
 }
 
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
@@ -254,7 +268,7 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / chunks1, j0 = i % chunks1 * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, I2);
       if (counts[e] == 0) continue;
-      gemm_nt<T>(xsd + start[e] * H, H, counts[e], w1[e], H, j0, j1, hd + start[e] * I2, I2);
+      gemm_nt<T>(xsd + start[e] * H, H, counts[e], w1[e], I2, H, j0, j1, hd + start[e] * I2, I2);
       for (int64_t p = start[e]; p < start[e + 1]; ++p)
         for (int64_t j = j0; j < j1; ++j) {
           float v = round_to<T>(hd[p * I2 + j]);
@@ -276,7 +290,7 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / chunks2, j0 = i % chunks2 * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, H);
       if (counts[e] == 0) continue;
-      gemm_nt<T>(ad + start[e] * I, I, counts[e], w2[e], I, j0, j1, yd + start[e] * H, H);
+      gemm_nt<T>(ad + start[e] * I, I, counts[e], w2[e], H, I, j0, j1, yd + start[e] * H, H);
       for (int64_t p = start[e]; p < start[e + 1]; ++p)
         for (int64_t j = j0; j < j1; ++j) {
           float v = round_to<T>(yd[p * H + j]);

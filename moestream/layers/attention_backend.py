@@ -107,7 +107,7 @@ class TorchAttentionBackend:
         out = q.new_empty(q.shape[:-1] + (latent_values or v_cache.shape[-1],))  # [T, Hq, Dv]
         qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        batched = set(decodes) if len(decodes) > 1 and not self.batch_invariant else set()
+        batched = set(decodes) if decodes and not self.batch_invariant else set()
         if batched:
             self._batched_decode(q, k_cache, v_cache, meta, scale, sliding_window, decodes, out, latent_values, sinks)
         for i in range(len(lens)):
