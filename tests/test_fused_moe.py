@@ -20,7 +20,7 @@ from moestream.engine import builder
 from moestream.engine.builder import use_fused_moe
 from moestream.experts.interface import ExpertWeights
 from moestream.kernels import fused_moe as kernel
-from moestream.layers.expert_executor import _loop, sort_by_expert
+from moestream.layers.expert_executor import _loop, fused_applies, sort_by_expert
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
 
@@ -195,3 +195,14 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.WARNING, logger="moestream.kernels.fused_moe"):
         assert kernel.load_fused_moe.__wrapped__() is False
     assert "no C++ compiler" in caplog.text and "PyTorch MoE path" in caplog.text
+
+
+def test_fused_applies_by_mean_rows_per_active_expert() -> None:
+    """The rule both executors apply to a layer's counts (pairs per expert, all experts)."""
+    bf16, f32 = torch.empty(1, 4, dtype=torch.bfloat16), torch.empty(1, 4)
+    assert fused_applies(True, 0, bf16, [12, 0, 12, 0])  # mean 12 over the two active experts
+    assert not fused_applies(True, 0, bf16, [13, 0, 12, 0])
+    assert fused_applies(True, 0, f32, [40, 24, 0, 0]) and not fused_applies(True, 0, f32, [40, 25, 0, 0])
+    assert not fused_applies(False, 0, f32, [1, 0, 0, 0])  # off
+    assert not fused_applies(True, 4, f32, [1, 0, 0, 0])  # batch-invariant mode
+    assert not fused_applies(True, 0, bf16.half(), [1, 0, 0, 0])  # float16: no kernel

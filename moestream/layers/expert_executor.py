@@ -50,11 +50,12 @@ SWIGLU = ExpertActivation()
 # Rows per chunk of `weighted_sum` (1024 x H float32: 2 MiB at H = 512).
 COMBINE_CHUNK = 1024
 
-# The fused CPU kernel runs a layer when no expert has more rows than this (compute dtype ->
-# rows); above it oneDNN's matmuls (AMX in bf16) are faster (docs/performance.md, "Fused MoE
-# kernel"). One rule for the whole layer, so the resident and paged executors, seeing the
-# same counts, always take the same path.
-FUSED_MAX_ROWS = {torch.float32: 48, torch.bfloat16: 16}
+# The fused CPU kernel runs a layer when its active experts have at most this many rows
+# (token, expert pairs) on average (compute dtype -> rows); above it oneDNN's matmuls (AMX in
+# bf16) are faster (docs/performance.md, "Fused MoE kernel": 8 layers of `small`, bf16 1.33x
+# at 8 rows, 0.91x at 16; float32 1.33x at 16, 1.06x at 32). One rule for the whole layer, so
+# the resident and paged executors, seeing the same counts, always take the same path.
+FUSED_MAX_MEAN_ROWS = {torch.float32: 32, torch.bfloat16: 12}
 
 
 class ExpertExecutor(Protocol):
@@ -62,8 +63,8 @@ class ExpertExecutor(Protocol):
     sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
 
     `row_tile` > 0: batch-invariant mode (see `linear`); `fused`: the fused CPU kernel
-    (`moestream/kernels/fused_moe.py`) runs a layer whose experts have at most
-    `FUSED_MAX_ROWS` rows each. Both are set per model."""
+    (`moestream/kernels/fused_moe.py`) runs a layer whose active experts have at most
+    `FUSED_MAX_MEAN_ROWS` rows on average. Both are set per model."""
 
     row_tile: int
     fused: bool
@@ -113,9 +114,12 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 
 def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]) -> bool:
     """Whether the fused kernel runs this layer: turned on, not batch-invariant, on CPU in
-    float32 or bf16, and no expert with more than `FUSED_MAX_ROWS` rows."""
-    limit = FUSED_MAX_ROWS.get(x.dtype, 0)
-    return fused and not row_tile and x.device.type == "cpu" and max(counts) <= limit
+    float32 or bf16, with at most `FUSED_MAX_MEAN_ROWS` rows per active expert on average
+    (counts: pairs per expert, all E of them)."""
+    if not fused or row_tile or x.device.type != "cpu" or x.dtype not in FUSED_MAX_MEAN_ROWS:
+        return False
+    active = sum(1 for c in counts if c)
+    return sum(counts) <= FUSED_MAX_MEAN_ROWS[x.dtype] * active
 
 
 def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, starts: list[int],
