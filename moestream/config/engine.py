@@ -136,6 +136,11 @@ class EngineConfig:
                                              "for decode-sized batches; torch = matmuls per expert; auto = "
                                              "fused_cpu on CPU in float32/bf16 when it compiles, else torch",
                                      choices=("auto", "torch", "fused_cpu"))
+    attention_backend: str = option("auto", "decode attention (vLLM's flag): cpu_paged = one C++ call per layer "
+                                            "reading the paged KV cache in place (needs a C++ compiler); "
+                                            "torch_sdpa = blocks gathered, then scaled_dot_product_attention; "
+                                            "auto = cpu_paged on CPU in float32/bf16 when it compiles",
+                                    choices=("auto", "torch_sdpa", "cpu_paged"))
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '
@@ -224,6 +229,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
         if self.moe_runner_backend not in ("auto", "torch", "fused_cpu"):
             raise ValueError(f"unknown moe_runner_backend '{self.moe_runner_backend}'; use auto, torch or fused_cpu")
+        if self.attention_backend not in ("auto", "torch_sdpa", "cpu_paged"):
+            raise ValueError(f"unknown attention_backend '{self.attention_backend}'; use auto, torch_sdpa or cpu_paged")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

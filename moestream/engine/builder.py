@@ -27,7 +27,7 @@ from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.quantization.registry import make_quant_method
 from moestream.generation_config import default_sampling_fields
-from moestream.kernels.fused_moe import load_fused_moe
+from moestream.kernels.build import load_cpu_kernels
 from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
 from moestream.loader import (
@@ -162,10 +162,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
             slot_views=elastic.expert_views() if elastic is not None else None,
             layout=packed[0] if packed else None,
         )
-    model = build_model(mcfg, reader, dtype, device, TorchAttentionBackend(config.batch_invariant), store, method)
+    paged_attention = use_cpu_kernel(config.attention_backend, "attention_backend", "cpu_paged", device, dtype,
+                                     config.batch_invariant)
+    backend = TorchAttentionBackend(config.batch_invariant, paged_attention)
+    model = build_model(mcfg, reader, dtype, device, backend, store, method)
     if config.batch_invariant:
         model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
-    model.set_fused_moe(use_fused_moe(config.moe_runner_backend, device, dtype, config.batch_invariant))
+    fused_moe = use_cpu_kernel(config.moe_runner_backend, "moe_runner_backend", "fused_cpu", device, dtype,
+                               config.batch_invariant)
+    model.set_fused_moe(fused_moe)
     if plan.resident and packed:
         load_packed_experts(packed[0], packed[1], mcfg.num_experts, device, store)
     elif plan.resident:
@@ -225,36 +230,39 @@ def build_engine(config: EngineConfig) -> EngineParts:
         model_config=mcfg, tokenizer=tokenizer, device=device, dtype=dtype, default_sampling_fields=defaults,
         max_model_len=max_model_len, mm_processor=mm_processor, input_processor=input_processor, expert_plan=plan,
         expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
-        coordinator=coordinator, scheduler=scheduler, runner=runner, sampler=Sampler(config.seed, device),
+        coordinator=coordinator, scheduler=scheduler, runner=runner,
+        sampler=Sampler(config.seed, device, argmax_kernel=fused_moe or paged_attention),
         eos_token_ids=eos_token_ids, output_processor=OutputProcessor(tokenizer, eos_token_ids, max_model_len),
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,
     )
 
 
-def use_fused_moe(backend: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
-    """Resolve `moe_runner_backend`: whether the routed experts run through the fused CPU
-    kernel (compiling it on first use). "auto": on CPU, in float32 or bf16, outside the
-    batch-invariant mode, when the kernel compiles.
+def use_cpu_kernel(choice: str, flag: str, kernel: str, device: torch.device, dtype: torch.dtype,
+                   batch_invariant: bool) -> bool:
+    """Resolve `moe_runner_backend` / `attention_backend` (`flag`): whether that part runs
+    through its CPU kernel (`kernel`: "fused_cpu", "cpu_paged"), compiling the kernels on first
+    use. "auto": on CPU, in float32 or bf16, outside the batch-invariant mode, when the
+    kernels compile; the other choice ("torch", "torch_sdpa") never.
 
     Raises:
-        ValueError: "fused_cpu" off CPU, in another dtype, with batch_invariant, or without a
-            working compiler.
+        ValueError: the kernel asked for off CPU, in another dtype, with batch_invariant, or
+            without a working compiler.
     """
     supported = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if backend == "torch" or (backend == "auto" and (not supported or batch_invariant)):
+    if choice not in ("auto", kernel) or (choice == "auto" and (not supported or batch_invariant)):
         return False
-    if backend == "fused_cpu" and not supported:
-        raise ValueError(f"moe_runner_backend fused_cpu runs on CPU in float32 or bfloat16, not {device.type} / "
-                         f"{dtype}; use auto or torch")
-    if backend == "fused_cpu" and batch_invariant:
-        raise ValueError("moe_runner_backend fused_cpu is not batch-invariant across batch sizes; use torch with "
+    if choice == kernel and not supported:
+        raise ValueError(f"{flag} {kernel} runs on CPU in float32 or bfloat16, not {device.type} / {dtype}; use "
+                         "auto")
+    if choice == kernel and batch_invariant:
+        raise ValueError(f"{flag} {kernel} is not batch-invariant across batch sizes; leave it on auto with "
                          "batch_invariant")
-    if load_fused_moe():
+    if load_cpu_kernels():
         return True
-    if backend == "fused_cpu":
-        raise ValueError("moe_runner_backend fused_cpu: the kernel did not build (see the warning above); install "
-                         "a C++ compiler (g++) or use torch")
+    if choice == kernel:
+        raise ValueError(f"{flag} {kernel}: the CPU kernels did not build (see the warning above); install a C++ "
+                         "compiler (g++) or use auto")
     return False
 
 

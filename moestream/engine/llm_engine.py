@@ -20,7 +20,7 @@ from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import ProcessedPrompt, Request, RequestStatus
 from moestream.engine.scheduler import SchedulerOutput
 from moestream.outputs import RequestOutput
-from moestream.sampler import SamplerOutput, make_generator
+from moestream.sampler import SamplerOutput, first_rows, make_generator
 from moestream.sampling_params import SamplingParams
 from moestream.spec_decode.ngram import NgramProposer
 from moestream.spec_decode.verifier import accept_tokens
@@ -188,7 +188,7 @@ class LLMEngine:
             if decode_only:
                 spec.record_step(sched.num_tokens, time.perf_counter() - t0)
             starts = list(itertools.accumulate([0] + num_rows[:-1]))
-            return samplers, logits, starts, self._sample(samplers, logits[starts]) if samplers else None
+            return samplers, logits, starts, self._sample(samplers, first_rows(logits, starts)) if samplers else None
         except Exception:
             if self.state_pool is not None:
                 self.coordinator.discard()

@@ -28,6 +28,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -72,28 +74,6 @@ template <typename T> constexpr int64_t step_of() { return std::is_same<T, float
 #if defined(__AVX512F__)
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
-// The 16 horizontal sums of v[0..15] as one vector, each by the same tree: lanes l + (l + 8),
-// then + 4, then + 2, then + 1 (the order of _mm512_reduce_add_ps). Three levels of
-// transposing adds (shuffle two vectors' halves, add) and a last pair of in-lane shuffles.
-inline __m512 reduce16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i) {  // [a lo256, b lo256] + [a hi256, b hi256]
-    const __m512 a = v[2 * i], b = v[2 * i + 1];
-    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  }
-  // s1[i] = [A'(0..3) A'(4..7) B'(0..3) B'(4..7)], A' = a lo + a hi; add the 128-bit quarters
-  for (int i = 0; i < 4; ++i) {
-    const __m512 a = s1[2 * i], b = s1[2 * i + 1];  // -> [A0+A1, B0+B1, C0+C1, D0+D1]
-    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-  }
-  // s2[i]: four groups of 4 lanes (one per input vector); lanes 0 + 2 and 1 + 3 of each group
-  for (int i = 0; i < 2; ++i) {
-    const __m512 a = s2[2 * i], b = s2[2 * i + 1];
-    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-  }
-  // s3[i], per 128-bit lane: [P(0+2), P(1+3), Q(0+2), Q(1+3)]; then (0+2) + (1+3)
-  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
-}
 inline vec load_f(const float* p) { return _mm512_loadu_ps(p); }
 inline vec load_f(const bf16* p) {  // 16 bf16 -> 16 float32 (exact)
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

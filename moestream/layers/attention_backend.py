@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moestream.kernels.paged_attention import paged_decode_attention
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -77,10 +79,14 @@ class TorchAttentionBackend:
     together in one padded SDPA call; prefill chunks run one request at a time.
     `batch_invariant`: decodes run one request at a time too, so that a request's attention
     does not depend on the other requests' context lengths (the padded width).
+    `paged_kernel`: decodes run through the CPU kernel that reads the blocks in place
+    (`moestream/kernels/paged_attention.py`; float32 or bf16, without sinks or a latent
+    head), with no gather and no padding.
     """
 
-    def __init__(self, batch_invariant: bool = False) -> None:
+    def __init__(self, batch_invariant: bool = False, paged_kernel: bool = False) -> None:
         self.batch_invariant = batch_invariant
+        self.paged_kernel = paged_kernel
 
     def forward(
         self,
@@ -144,8 +150,8 @@ class TorchAttentionBackend:
             out[qs:qe] = o.transpose(0, 1)
         return out
 
-    @staticmethod
     def _batched_decode(
+        self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -163,6 +169,11 @@ class TorchAttentionBackend:
         dev = q.device
         idx = torch.tensor(decodes, device=dev)
         rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
+        if self.paged_kernel and sinks is None and not latent_values and q.dtype in (torch.float32, torch.bfloat16):
+            lens = meta.seq_lens[idx]  # [b]
+            starts = (lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(lens)
+            out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, starts, scale)
+            return
         ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
         if sliding_window is None:
             width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs

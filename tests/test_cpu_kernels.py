@@ -1,7 +1,8 @@
-"""The fused CPU MoE kernel (moestream/kernels/fused_moe.py): values against a float64
-oracle written from the definition, an expert's output independent of the rows around it,
-the engine's use of it (resident and paged agree bit for bit, HF parity with the PyTorch
-path as well), and the fallback when it cannot be built."""
+"""moestream's CPU kernels (moestream/kernels/): the fused MoE layer and paged decode
+attention against float64 oracles written from their definitions, outputs independent of the
+rows around them, greedy argmax against torch's, the engine's use of them (resident and
+paged agree bit for bit, HF parity with the PyTorch paths as well), and the fallback when
+they cannot be built."""
 
 from __future__ import annotations
 
@@ -13,13 +14,19 @@ import torch.nn.functional as F
 from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 
+import moestream.layers.attention_backend as attention_module
 import moestream.layers.expert_executor as executor_module
 from moestream import LLM
 from moestream.config import EngineConfig, ExpertActivation
 from moestream.engine import builder
-from moestream.engine.builder import use_fused_moe
+from moestream.engine.builder import use_cpu_kernel
 from moestream.experts.interface import ExpertWeights
+from moestream.kernels import build
 from moestream.kernels import fused_moe as kernel
+from moestream.kernels.paged_attention import paged_decode_attention
+from moestream.kernels.sampling import argmax_rows
+from moestream.sampler import Sampler
+from moestream.sampling_params import SamplingParams
 from moestream.layers.expert_executor import _loop, fused_applies, sort_by_expert
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
@@ -162,28 +169,46 @@ def test_paged_equals_resident_bit_for_bit(gpt_oss_dir: str, kernel_calls: list[
         assert all(torch.equal(a, b) for a, b in zip(r1.logits, r2.logits))
 
 
-@pytest.mark.parametrize("backend", ["torch", "fused_cpu"])
-def test_hf_parity_with_either_backend(qwen3_moe_dir: str, backend: str, kernel_calls: list[int]) -> None:
+@pytest.mark.parametrize(("moe", "attention"), [("torch", "torch_sdpa"), ("fused_cpu", "cpu_paged")])
+def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: str, kernel_calls: list[int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    attention_calls = [0]
+    real = attention_module.paged_decode_attention
+
+    def counting(*args, **kwargs):
+        attention_calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "paged_decode_attention", counting)
     prompts = parity_prompts()
-    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=backend)
-    report = check_all(prompts, _generate(llm, prompts, NUM_NEW_TOKENS), HFReference(qwen3_moe_dir), backend)
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention)
+    report = check_all(prompts, _generate(llm, prompts, NUM_NEW_TOKENS), HFReference(qwen3_moe_dir), moe)
     assert report.max_logit_diff < 1e-4
-    assert (kernel_calls[0] > 0) == (backend == "fused_cpu")
+    assert (kernel_calls[0] > 0) == (moe == "fused_cpu")
+    assert (attention_calls[0] > 0) == (attention == "cpu_paged")
 
 
 def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
+
+    def use_fused_moe(choice: str, device: torch.device, dtype: torch.dtype, batch_invariant: bool) -> bool:
+        return use_cpu_kernel(choice, "moe_runner_backend", "fused_cpu", device, dtype, batch_invariant)
+
     assert use_fused_moe("auto", cpu, f32, False) and use_fused_moe("auto", cpu, torch.bfloat16, False)
     assert not use_fused_moe("torch", cpu, f32, False)
     assert not use_fused_moe("auto", cpu, torch.float16, False)
     assert not use_fused_moe("auto", cpu, f32, True)  # batch-invariant mode keeps the PyTorch path
-    with pytest.raises(ValueError, match="not batch-invariant"):
+    with pytest.raises(ValueError, match="moe_runner_backend fused_cpu is not batch-invariant"):
         use_fused_moe("fused_cpu", cpu, f32, True)
     with pytest.raises(ValueError, match="runs on CPU in float32 or bfloat16"):
         use_fused_moe("fused_cpu", torch.device("meta"), f32, False)
+    assert use_cpu_kernel("auto", "attention_backend", "cpu_paged", cpu, f32, False)
+    assert not use_cpu_kernel("torch_sdpa", "attention_backend", "cpu_paged", cpu, f32, False)
     with pytest.raises(ValueError, match="unknown moe_runner_backend 'triton'"):
         EngineConfig(model="any", moe_runner_backend="triton")
-    monkeypatch.setattr(builder, "load_fused_moe", lambda: False)  # as without a compiler
+    with pytest.raises(ValueError, match="unknown attention_backend 'flash'"):
+        EngineConfig(model="any", attention_backend="flash")
+    monkeypatch.setattr(builder, "load_cpu_kernels", lambda: False)  # as without a compiler
     assert not use_fused_moe("auto", cpu, f32, False)
     with pytest.raises(ValueError, match=r"install a C\+\+ compiler"):
         use_fused_moe("fused_cpu", cpu, f32, False)
@@ -191,10 +216,10 @@ def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(kernel.shutil, "which", lambda name: None)
-    with caplog.at_level(logging.WARNING, logger="moestream.kernels.fused_moe"):
-        assert kernel.load_fused_moe.__wrapped__() is False
-    assert "no C++ compiler" in caplog.text and "PyTorch MoE path" in caplog.text
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING, logger="moestream.kernels.build"):
+        assert build.load_cpu_kernels.__wrapped__() is False
+    assert "no C++ compiler" in caplog.text and "using the PyTorch paths" in caplog.text
 
 
 def test_fused_applies_by_mean_rows_per_active_expert() -> None:
@@ -206,3 +231,91 @@ def test_fused_applies_by_mean_rows_per_active_expert() -> None:
     assert not fused_applies(False, 0, f32, [1, 0, 0, 0])  # off
     assert not fused_applies(True, 4, f32, [1, 0, 0, 0])  # batch-invariant mode
     assert not fused_applies(True, 0, bf16.half(), [1, 0, 0, 0])  # float16: no kernel
+
+
+# ---- paged decode attention --------------------------------------------------------------
+
+
+def _paged_case(dtype: torch.dtype, lens: list[int], bs: int = 4, hq: int = 8, hk: int = 2, d: int = 40,
+                strided: bool = False, seed: int = 0):
+    """Random caches of 64 blocks and block tables of distinct shuffled blocks per request."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks, width = 64, max((n + bs - 1) // bs for n in lens)
+    shape = (n_blocks, bs, hk, d)
+    if strided:  # a view into a bigger pool, as elastic memory's (the last dim contiguous)
+        k = torch.randn(n_blocks, bs, hk, 2 * d, generator=g).to(dtype)[..., :d]
+        v = torch.randn(n_blocks, bs, hk, 2 * d, generator=g).to(dtype)[..., d:]
+    else:
+        k, v = torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype)
+    perm = torch.randperm(n_blocks, generator=g)
+    tables = perm[: len(lens) * width].view(len(lens), width).to(torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    return q, k, v, tables, torch.tensor(lens)
+
+
+def _reference(q, k, v, tables, lens, starts, scale) -> torch.Tensor:
+    """float64 softmax attention per request on its gathered keys (GQA: heads repeated)."""
+    out = []
+    group = q.shape[1] // k.shape[2]
+    for r in range(q.shape[0]):
+        keys = k[tables[r].long()].flatten(0, 1)[int(starts[r]) : int(lens[r])].double()  # [S, Hk, D]
+        vals = v[tables[r].long()].flatten(0, 1)[int(starts[r]) : int(lens[r])].double()
+        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)  # [S, Hq, D]
+        w = torch.softmax(torch.einsum("hd,shd->hs", q[r].double(), keys) * scale, -1)
+        out.append(torch.einsum("hs,shd->hd", w, vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_float32_matches_the_reference(strided: bool, window: int | None) -> None:
+    q, k, v, tables, lens = _paged_case(torch.float32, [1, 7, 16, 29], strided=strided)
+    starts = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+    got = paged_decode_attention(q, k, v, tables, lens, starts, 0.125)
+    want = _reference(q, k, v, tables, lens, starts, 0.125)
+    assert (got.double() - want).abs().max() < 1e-5
+
+
+def test_paged_attention_bf16_and_batch_independence() -> None:
+    q, k, v, tables, lens = _paged_case(torch.bfloat16, [3, 12, 30], hq=4, hk=4, d=64, seed=2)
+    starts = torch.zeros_like(lens)
+    batch = paged_decode_attention(q, k, v, tables, lens, starts, 0.125)
+    want = _reference(q, k, v, tables, lens, starts, 0.125)
+    assert (batch.double() - want).abs().max() < 2e-2  # bf16 output rounding
+    for r in range(3):  # a request alone gives the same bits as in the batch
+        alone = paged_decode_attention(q[r : r + 1].clone(), k, v, tables[r : r + 1].clone(), lens[r : r + 1].clone(),
+                                       starts[r : r + 1].clone(), 0.125)
+        assert torch.equal(alone[0], batch[r])
+
+
+def test_paged_attention_refuses_a_context_past_its_table() -> None:
+    q, k, v, tables, lens = _paged_case(torch.float32, [8])
+    with pytest.raises(RuntimeError, match="a context of 9 tokens exceeds its block table"):
+        paged_decode_attention(q, k, v, tables, lens + 1, torch.zeros_like(lens), 0.125)
+
+
+# ---- greedy argmax ---------------------------------------------------------------------------
+
+
+def test_argmax_rows_equals_torch() -> None:
+    """Random rows, ties (the first maximum wins), a NaN (torch's answer: its index), all
+    -inf, and widths with and without a SIMD tail."""
+    g = torch.Generator().manual_seed(0)
+    for width in (151936, 17, 1):
+        x = torch.randn(6, width, generator=g)
+        x[1, -1] = x[1].max() + 1  # the maximum in the tail
+        x[2, :] = 0.5  # all tied: index 0
+        if width > 5:
+            x[3, 3] = float("nan")
+            x[5, width // 2] = x[5, width - 2] = x[5].max() + 1  # a tie: the first
+        x[4, :] = float("-inf")
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1)), width
+
+
+def test_sampler_greedy_tokens_equal_with_the_kernel() -> None:
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0.0)] * 5
+    args = ([[1]] * 5, [[]] * 5, [None] * 5)
+    with_kernel = Sampler(argmax_kernel=True)(logits, params, *args).token_ids
+    assert with_kernel == Sampler()(logits, params, *args).token_ids
+    assert with_kernel == logits.argmax(-1).tolist()

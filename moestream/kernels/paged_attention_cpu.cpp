@@ -1,0 +1,233 @@
+// Decode attention over a paged KV cache on CPU, reading each request's keys and values in
+// place through its block table (moestream/kernels/paged_attention.py loads and calls it).
+// One query token per request; grouped-query attention; an optional first visible position
+// per request (a sliding window).
+//
+// Shapes (b requests, Hq query heads, Hk KV heads, D head dim, Dv value dim, bs block size):
+//   q             [b, Hq, D]            float32 or bfloat16 (the compute dtype)
+//   k_cache       [N, bs, Hk, D]        compute dtype; any strides with the last dim contiguous
+//   v_cache       [N, bs, Hk, Dv]       compute dtype; the same
+//   block_tables  [b, W] int32          physical block of each request's logical block
+//   seq_lens      [b] int64             context length, the query's own token included
+//   starts        [b] int64             first key position the query sees (0 without a window)
+//   out           [b, Hq, Dv]           compute dtype, written
+//
+// For each request and query head h (KV head h / (Hq / Hk)): s_p = scale * q . k_p for the
+// positions p in [start, seq_len), w = softmax(s) in float32, out = sum_p w_p v_p rounded to
+// the compute dtype. The dot products run in float32 in a fixed order (SIMD lanes over D,
+// then a fixed tree), the softmax subtracts the maximum (exp: `exp512`, a polynomial, with
+// AVX-512), and the values are summed in position order, so a request's output does not
+// depend on the other requests of the batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) { return static_cast<float>(v); }
+
+// dot(a[0:D], b[0:D]) in float32, b in the compute dtype, a already float32.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    __m512 bv;
+    if constexpr (std::is_same<T, float>::value) {
+      bv = _mm512_loadu_ps(b + d);
+    } else {
+      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d));
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), bv, acc);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) s += a[d] * to_f(b[d]);
+  return s;
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same<T, float>::value) {
+    return _mm512_loadu_ps(p);
+  } else {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+// out[i] = q[0:D] . k[i][0:D] for 16 key rows (float32): lanes over D, then the transposing
+// reduction (`reduce16`), then the scalar tail of D.
+template <typename T>
+inline void dot16(const float* q, const T* const* k, int64_t D, float* out) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load16<T>(k[i] + d), acc[i]);
+  }
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(acc));
+  for (int i = 0; i < 16; ++i) out[i] = sums[4 * (i % 4) + i / 4];
+  for (; d < D; ++d)
+    for (int i = 0; i < 16; ++i) out[i] += q[d] * to_f(k[i][d]);
+}
+#endif
+
+// acc[0:D] += w * v[0:D] (float32 accumulators, v in the compute dtype).
+template <typename T>
+inline void axpy(float* acc, float w, const T* v, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; d + 16 <= D; d += 16) {
+    __m512 x;
+    if constexpr (std::is_same<T, float>::value) {
+      x = _mm512_loadu_ps(v + d);
+    } else {
+      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d));
+      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, x, _mm512_loadu_ps(acc + d)));
+  }
+#endif
+  for (; d < D; ++d) acc[d] += w * to_f(v[d]);
+}
+
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts, double scale,
+                 const at::Tensor& out) {
+  const int64_t b = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), Dv = v_cache.size(3);
+  const int64_t group = Hq / Hk;
+  const int64_t W = block_tables.size(1);
+  const T* qd = q.data_ptr<T>();
+  const T* kd = k_cache.data_ptr<T>();
+  const T* vd = v_cache.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t bts = block_tables.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, b * Hk, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(group * D), scores, acc(group * Dv);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t r = item / Hk, g = item % Hk;
+      const int64_t lo = first[r], hi = lens[r], n = hi - lo;
+      if (n <= 0) continue;
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qd[r * qs0 + (g * group + h) * qs1 + d]);
+      const int64_t npad = (n + 15) / 16 * 16;  // scores padded to whole vectors
+      scores.assign(group * npad, 0.f);
+#if defined(__AVX512F__)
+      for (int64_t p0 = lo; p0 < hi; p0 += 16) {  // 16 key rows at a time, read for every query head
+        const T* kp[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t p = std::min(p0 + i, hi - 1);  // past the end: repeat the last row (ignored)
+          kp[i] = kd + tables[r * bts + p / bs] * ks0 + (p % bs) * ks1 + g * ks2;
+        }
+        float sc16[16];
+        for (int64_t h = 0; h < group; ++h) {
+          dot16<T>(qf.data() + h * D, kp, D, sc16);
+          for (int64_t i = 0; i < 16 && p0 + i < hi; ++i) scores[h * npad + (p0 + i - lo)] = sc16[i] * sc;
+        }
+      }
+#else
+      for (int64_t p = lo; p < hi; ++p) {  // each key row is read once for the group's query heads
+        const int64_t blk = tables[r * bts + p / bs];
+        const T* kp = kd + blk * ks0 + (p % bs) * ks1 + g * ks2;
+        for (int64_t h = 0; h < group; ++h) scores[h * npad + (p - lo)] = dot<T>(qf.data() + h * D, kp, D) * sc;
+      }
+#endif
+      std::vector<float> inv(group);
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * npad;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < n; ++p) m = std::max(m, s[p]);
+#if defined(__AVX512F__)
+        const __m512 mv = _mm512_set1_ps(m);
+        for (int64_t p = 0; p < npad; p += 16) _mm512_storeu_ps(s + p, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv)));
+#else
+        for (int64_t p = 0; p < n; ++p) s[p] = std::exp(s[p] - m);
+#endif
+        float sum = 0.f;
+        for (int64_t p = 0; p < n; ++p) sum += s[p];  // in position order
+        inv[h] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t blk = tables[r * bts + p / bs];
+        const T* vp = vd + blk * vs0 + (p % bs) * vs1 + g * vs2;
+        for (int64_t h = 0; h < group; ++h) axpy<T>(acc.data() + h * Dv, scores[h * npad + (p - lo)], vp, Dv);
+      }
+      for (int64_t h = 0; h < group; ++h)
+        for (int64_t d = 0; d < Dv; ++d)
+          od[r * os0 + (g * group + h) * os1 + d] = static_cast<T>(acc[h * Dv + d] * inv[h]);
+    }
+  });
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts,
+                            double scale, const at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged_decode_attention: q must be [b, Hq, D] with contiguous rows");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: q must be float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: caches must be [N, bs, Hk, D] with a contiguous last dim");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: q, caches and out must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && q.size(1) % k_cache.size(2) == 0 &&
+                  v_cache.size(2) == k_cache.size(2) && v_cache.size(1) == k_cache.size(1),
+              "paged_decode_attention: head counts or dims do not match");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == q.size(0) && out.size(1) == q.size(1) &&
+                  out.size(2) == v_cache.size(3) && out.stride(2) == 1,
+              "paged_decode_attention: out must be [b, Hq, Dv]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+                  block_tables.size(0) == q.size(0),
+              "paged_decode_attention: block_tables must be int32 [b, W]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && starts.scalar_type() == at::kLong && seq_lens.is_contiguous() &&
+                  starts.is_contiguous() && seq_lens.numel() == q.size(0) && starts.numel() == q.size(0),
+              "paged_decode_attention: seq_lens and starts must be contiguous int64 [b]");
+  const int64_t cap = block_tables.size(1) * k_cache.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < q.size(0); ++r)
+    TORCH_CHECK(lens[r] <= cap, "paged_decode_attention: a context of ", lens[r], " tokens exceeds its block table");
+  if (q.scalar_type() == at::kFloat)
+    decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out);
+  else
+    decode_impl<bf16>(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moestream_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor starts, float scale, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(moestream_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,51 @@
+// SIMD helpers shared by moestream's CPU kernels.
+#pragma once
+
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+// The 16 horizontal sums of v[0..15] as one vector, each by the same tree: lanes l + (l + 8),
+// then + 4, then + 2, then + 1 (the order of _mm512_reduce_add_ps). Three levels of
+// transposing adds (shuffle two vectors' halves, add) and a last pair of in-lane shuffles.
+inline __m512 reduce16(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i) {  // [a lo256, b lo256] + [a hi256, b hi256]
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  // s1[i] = [A'(0..3) A'(4..7) B'(0..3) B'(4..7)], A' = a lo + a hi; add the 128-bit quarters
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = s1[2 * i], b = s1[2 * i + 1];  // -> [A0+A1, B0+B1, C0+C1, D0+D1]
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  // s2[i]: four groups of 4 lanes (one per input vector); lanes 0 + 2 and 1 + 3 of each group
+  for (int i = 0; i < 2; ++i) {
+    const __m512 a = s2[2 * i], b = s2[2 * i + 1];
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  // s3[i], per 128-bit lane: [P(0+2), P(1+3), Q(0+2), Q(1+3)]; then (0+2) + (1+3)
+  return _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+}
+
+// exp(x) for 16 lanes: x = n ln2 + r (n = round(x / ln2), ln2 split in two for exactness),
+// e^r by its degree-7 Taylor polynomial on |r| <= ln2 / 2 (error below 1e-7 relative), times
+// 2^n through scalef. Inputs at or below -88 give 0 or a subnormal, as expf; no NaN input is
+// expected (the callers pass finite scores minus their maximum).
+inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+  r = _mm512_fnmadd_ps(n, ln2_lo, r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
