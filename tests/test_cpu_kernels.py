@@ -127,6 +127,8 @@ def test_bad_layout_is_refused() -> None:
     with pytest.raises(RuntimeError, match=r"down\[0\] must be a contiguous \[H, I\]"):
         kernel.fused_moe(x, [gate_up[0]], [down[0].t()], None, torch.tensor([0, 1]), torch.ones(2), [2], 0, 1.0,
                          0.0, out)
+    with pytest.raises(RuntimeError, match=r"token_of\[1\] = 2 is not a row of x"):
+        kernel.fused_moe(x, [gate_up[0]], [down[0]], None, torch.tensor([0, 2]), torch.ones(2), [2], 0, 1.0, 0.0, out)
     with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
         kernel.fused_moe(x.half(), [gate_up[0].half()], [down[0].half()], None, torch.tensor([0, 1]), torch.ones(2),
                          [2], 0, 1.0, 0.0, out)
@@ -288,10 +290,18 @@ def test_paged_attention_bf16_and_batch_independence() -> None:
         assert torch.equal(alone[0], batch[r])
 
 
-def test_paged_attention_refuses_a_context_past_its_table() -> None:
+def test_paged_attention_refuses_bad_tables() -> None:
     q, k, v, tables, lens = _paged_case(torch.float32, [8])
     with pytest.raises(RuntimeError, match="a context of 9 tokens exceeds its block table"):
         paged_decode_attention(q, k, v, tables, lens + 1, torch.zeros_like(lens), 0.125)
+    bad = tables.clone()
+    bad[0, 1] = -1  # a freed (null) block inside the visible range
+    with pytest.raises(RuntimeError, match="request 0 reads block -1 of a cache of 64"):
+        paged_decode_attention(q, k, v, bad, lens, torch.zeros_like(lens), 0.125)
+    behind = tables.clone()
+    behind[0, 0] = -1  # block 0 holds positions 0-3, behind a window that starts at 4: never read
+    assert torch.equal(paged_decode_attention(q, k, v, behind, lens, torch.full_like(lens, 4), 0.125),
+                       paged_decode_attention(q, k, v, tables, lens, torch.full_like(lens, 4), 0.125))
 
 
 # ---- greedy argmax ---------------------------------------------------------------------------

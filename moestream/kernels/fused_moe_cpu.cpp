@@ -335,6 +335,9 @@ void fused_moe(const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
               "fused_moe: token_of must be contiguous int64 [sum(counts)]");
   TORCH_CHECK(pair_weight.scalar_type() == at::kFloat && pair_weight.is_contiguous() && pair_weight.numel() == P,
               "fused_moe: pair_weight must be contiguous float32 [sum(counts)]");
+  const int64_t* tok = token_of.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(tok[p] >= 0 && tok[p] < x.size(0), "fused_moe: token_of[", p, "] = ", tok[p], " is not a row of x");
   std::vector<int64_t> cv(counts.begin(), counts.end());
   if (x.scalar_type() == at::kFloat)
     fused_moe_impl<float>(x, gate_up, down, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,

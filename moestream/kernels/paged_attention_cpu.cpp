@@ -215,8 +215,18 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "paged_decode_attention: seq_lens and starts must be contiguous int64 [b]");
   const int64_t cap = block_tables.size(1) * k_cache.size(1);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < q.size(0); ++r)
+  const int64_t* first = starts.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t bs = k_cache.size(1), num_blocks = std::min(k_cache.size(0), v_cache.size(0));
+  for (int64_t r = 0; r < q.size(0); ++r) {
     TORCH_CHECK(lens[r] <= cap, "paged_decode_attention: a context of ", lens[r], " tokens exceeds its block table");
+    TORCH_CHECK(first[r] >= 0, "paged_decode_attention: a negative start");
+    for (int64_t i = first[r] / bs; i * bs < lens[r]; ++i) {  // every block the query reads
+      const int32_t blk = tables[r * block_tables.stride(0) + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode_attention: request ", r, " reads block ", blk,
+                  " of a cache of ", num_blocks);
+    }
+  }
   if (q.scalar_type() == at::kFloat)
     decode_impl<float>(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out);
   else
