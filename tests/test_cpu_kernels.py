@@ -27,7 +27,8 @@ from moestream.kernels.paged_attention import paged_decode_attention
 from moestream.kernels.sampling import argmax_rows
 from moestream.sampler import Sampler
 from moestream.sampling_params import SamplingParams
-from moestream.layers.expert_executor import _loop, fused_applies, sort_by_expert
+from moestream.experts.resident import ResidentExpertStore
+from moestream.layers.expert_executor import ResidentExpertExecutor, _loop, fused_applies, sort_by_expert
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
 
@@ -233,6 +234,28 @@ def test_fused_applies_by_mean_rows_per_active_expert() -> None:
     assert not fused_applies(False, 0, f32, [1, 0, 0, 0])  # off
     assert not fused_applies(True, 4, f32, [1, 0, 0, 0])  # batch-invariant mode
     assert not fused_applies(True, 0, bf16.half(), [1, 0, 0, 0])  # float16: no kernel
+    # regression: an empty batch (no pairs) passed the mean test and the resident executor
+    # then indexed an empty expert list
+    assert not fused_applies(True, 0, torch.empty(0, 4), [0, 0, 0, 0])
+
+
+def test_resident_executor_on_an_empty_batch() -> None:
+    store = ResidentExpertStore()
+    store.set_layer(0, torch.randn(4, 16, 8), torch.randn(4, 8, 8))
+    ex = ResidentExpertExecutor(store, 0, 4)
+    ex.fused = True
+    out = ex.forward(torch.empty(0, 8), torch.empty(0, 2), torch.empty(0, 2, dtype=torch.long))
+    assert out.shape == (0, 8)
+
+
+def test_swigluoai_passes_a_nan_through_as_torch() -> None:
+    """torch.clamp keeps a NaN; the kernel's clamps must too (std::fmin would give the limit)."""
+    x, gate_up, down, bias, _, weights = _case(2, 64, 32, 4, 1, torch.float32)
+    ids = torch.tensor([[0], [1]])
+    gate_up = gate_up.clone()
+    gate_up[0, 0] = float("nan")  # expert 0 (token 0's): its first gate output is NaN
+    out = _run_kernel(x, gate_up, down, bias, ids, weights, OAI)
+    assert out[0].isnan().all() and not out[1].isnan().any()
 
 
 # ---- paged decode attention --------------------------------------------------------------
@@ -296,6 +319,8 @@ def test_paged_attention_refuses_bad_tables() -> None:
         paged_decode_attention(q, k, v, tables, lens + 1, torch.zeros_like(lens), 0.125)
     bad = tables.clone()
     bad[0, 1] = -1  # a freed (null) block inside the visible range
+    with pytest.raises(RuntimeError, match=r"request 0 sees no key \(start 8, context 8\)"):
+        paged_decode_attention(q, k, v, tables, lens, lens.clone(), 0.125)
     with pytest.raises(RuntimeError, match="request 0 reads block -1 of a cache of 64"):
         paged_decode_attention(q, k, v, bad, lens, torch.zeros_like(lens), 0.125)
     behind = tables.clone()

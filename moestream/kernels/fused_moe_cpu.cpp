@@ -99,9 +99,9 @@ template <typename T, int R, int C>
 inline void dot_tile(const T* A, int64_t lda, const T* const* B, const T* const* next, int64_t K,
                      float* out /* [R][C] */) {
   static_assert(R * C <= 16, "a tile is at most 16 dot products");
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   constexpr int64_t S = step_of<T>();
   const int64_t kv = K / S * S;  // the vectorized part of k
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   vec acc[16];  // R * C used; the rest stay zero for the reduction
   for (int i = 0; i < 16; ++i) acc[i] = vzero();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -142,6 +142,7 @@ inline void dot_tile(const T* A, int64_t lda, const T* const* B, const T* const*
   for (int i = 0; i < R * C; ++i) out[i] = vsum(acc[i]);
 #endif
 #else
+  const int64_t kv = 0;  // no SIMD: all of k in the scalar loop below
   for (int i = 0; i < R * C; ++i) out[i] = 0.f;
 #endif
   for (int64_t k = kv; k < K; ++k)  // the tail, in scalar code (all of k without SIMD)
@@ -199,8 +200,9 @@ void activation(const float* h, int64_t I, int64_t act, float alpha, float limit
     }
   } else {  // swigluoai: gate = h[0::2] clamped above, up = h[1::2] clamped; (up + 1) * gate * sigmoid(alpha * gate)
     for (int64_t i = 0; i < I; ++i) {
-      const float g = std::fmin(h[2 * i], limit);
-      const float u = std::fmax(std::fmin(h[2 * i + 1], limit), -limit);
+      // clamps that pass a NaN through, as torch.clamp does (std::fmin would not)
+      const float g = h[2 * i] > limit ? limit : h[2 * i];
+      const float u = h[2 * i + 1] > limit ? limit : (h[2 * i + 1] < -limit ? -limit : h[2 * i + 1]);
       const float sg = round_to<T>(sigmoid(round_to<T>(g * alpha)));
       const float gs = round_to<T>(g * sg);
       a[i] = cast<T>(round_to<T>(u + 1.f) * gs);

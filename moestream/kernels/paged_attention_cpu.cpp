@@ -220,7 +220,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t bs = k_cache.size(1), num_blocks = std::min(k_cache.size(0), v_cache.size(0));
   for (int64_t r = 0; r < q.size(0); ++r) {
     TORCH_CHECK(lens[r] <= cap, "paged_decode_attention: a context of ", lens[r], " tokens exceeds its block table");
-    TORCH_CHECK(first[r] >= 0, "paged_decode_attention: a negative start");
+    TORCH_CHECK(first[r] >= 0 && first[r] < lens[r], "paged_decode_attention: request ", r, " sees no key (start ",
+                first[r], ", context ", lens[r], ")");
     for (int64_t i = first[r] / bs; i * bs < lens[r]; ++i) {  // every block the query reads
       const int32_t blk = tables[r * block_tables.stride(0) + i];
       TORCH_CHECK(blk >= 0 && blk < num_blocks, "paged_decode_attention: request ", r, " reads block ", blk,

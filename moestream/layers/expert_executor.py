@@ -119,7 +119,7 @@ def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]
     if not fused or row_tile or x.device.type != "cpu" or x.dtype not in FUSED_MAX_MEAN_ROWS:
         return False
     active = sum(1 for c in counts if c)
-    return sum(counts) <= FUSED_MAX_MEAN_ROWS[x.dtype] * active
+    return active > 0 and sum(counts) <= FUSED_MAX_MEAN_ROWS[x.dtype] * active
 
 
 def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, starts: list[int],
