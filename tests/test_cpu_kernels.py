@@ -144,17 +144,22 @@ def _generate(llm: LLM, prompts: list[list[int]], n: int = 24) -> list[tuple[lis
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
-@pytest.fixture
-def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Wrap module.name so that calls[0] counts its calls; returns calls."""
     calls = [0]
-    real = executor_module.fused_moe
+    real = getattr(module, name)
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(executor_module, "fused_moe", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return _count_calls(monkeypatch, executor_module, "fused_moe")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -175,14 +180,7 @@ def test_paged_equals_resident_bit_for_bit(gpt_oss_dir: str, kernel_calls: list[
 @pytest.mark.parametrize(("moe", "attention"), [("torch", "torch_sdpa"), ("fused_cpu", "cpu_paged")])
 def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: str, kernel_calls: list[int],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    attention_calls = [0]
-    real = attention_module.paged_decode_attention
-
-    def counting(*args, **kwargs):
-        attention_calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(attention_module, "paged_decode_attention", counting)
+    attention_calls = _count_calls(monkeypatch, attention_module, "paged_decode_attention")
     prompts = parity_prompts()
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention)
     report = check_all(prompts, _generate(llm, prompts, NUM_NEW_TOKENS), HFReference(qwen3_moe_dir), moe)

@@ -74,11 +74,8 @@ template <typename T> constexpr int64_t step_of() { return std::is_same<T, float
 #if defined(__AVX512F__)
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec load_f(const float* p) { return _mm512_loadu_ps(p); }
-inline vec load_f(const bf16* p) {  // 16 bf16 -> 16 float32 (exact)
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+template <typename T>
+inline vec load_f(const T* p) { return load16(p); }
 #elif defined(__AVX2__) && defined(__FMA__)
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
@@ -210,6 +207,30 @@ void activation(const float* h, int64_t I, int64_t act, float alpha, float limit
   }
 }
 
+// One projection of every expert's rows: out[p] (float32 [P, N], values at the compute
+// dtype's precision) = round(A[p] . W_e) (+ bias_e, rounded again) for the pairs p of expert
+// e, A [P, K] grouped by expert (start[e], counts[e]), W_e [N, K]. Work items: (expert,
+// COL_CHUNK columns).
+template <typename T>
+void project(const T* A, int64_t K, const std::vector<const T*>& W, const std::vector<const T*>* bias, int64_t N,
+             const std::vector<int64_t>& start, const std::vector<int64_t>& counts, float* out) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  const int64_t chunks = (N + COL_CHUNK - 1) / COL_CHUNK;
+  at::parallel_for(0, E * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / chunks, j0 = i % chunks * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, N);
+      if (counts[e] == 0) continue;
+      gemm_nt<T>(A + start[e] * K, K, counts[e], W[e], N, K, j0, j1, out + start[e] * N, N);
+      for (int64_t p = start[e]; p < start[e] + counts[e]; ++p)
+        for (int64_t j = j0; j < j1; ++j) {
+          float v = round_to<T>(out[p * N + j]);
+          if (bias != nullptr) v = round_to<T>(v + to_f((*bias)[e][j]));
+          out[p * N + j] = v;
+        }
+    }
+  });
+}
+
 template <typename T>
 void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
                     at::TensorList gate_up_bias, at::TensorList down_bias,
@@ -238,27 +259,14 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
   }
   const int64_t ldx = x.stride(0);
   // 1. gate_up of every pair: h [P, 2I] float32, then the activation into a [P, I] (compute dtype)
-  at::Tensor h = at::empty({P, I2}, x.options().dtype(at::kFloat));
-  float* hd = h.data_ptr<float>();
   at::Tensor xs = at::empty({P, H}, x.options());  // the pairs' token rows, grouped by expert
   T* xsd = xs.data_ptr<T>();
   at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) std::memcpy(xsd + p * H, xd + tok[p] * ldx, H * sizeof(T));
   });
-  const int64_t chunks1 = (I2 + COL_CHUNK - 1) / COL_CHUNK;
-  at::parallel_for(0, E * chunks1, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / chunks1, j0 = i % chunks1 * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, I2);
-      if (counts[e] == 0) continue;
-      gemm_nt<T>(xsd + start[e] * H, H, counts[e], w1[e], I2, H, j0, j1, hd + start[e] * I2, I2);
-      for (int64_t p = start[e]; p < start[e + 1]; ++p)
-        for (int64_t j = j0; j < j1; ++j) {
-          float v = round_to<T>(hd[p * I2 + j]);
-          if (bias) v = round_to<T>(v + to_f(b1[e][j]));
-          hd[p * I2 + j] = v;
-        }
-    }
-  });
+  at::Tensor h = at::empty({P, I2}, x.options().dtype(at::kFloat));
+  float* hd = h.data_ptr<float>();
+  project<T>(xsd, H, w1, bias ? &b1 : nullptr, I2, start, counts, hd);
   at::Tensor a = at::empty({P, I}, x.options());
   T* ad = a.data_ptr<T>();
   at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
@@ -267,20 +275,7 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
   // 2. down: y [P, H] float32 (values at the compute dtype's precision)
   at::Tensor y = at::empty({P, H}, x.options().dtype(at::kFloat));
   float* yd = y.data_ptr<float>();
-  const int64_t chunks2 = (H + COL_CHUNK - 1) / COL_CHUNK;
-  at::parallel_for(0, E * chunks2, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / chunks2, j0 = i % chunks2 * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, H);
-      if (counts[e] == 0) continue;
-      gemm_nt<T>(ad + start[e] * I, I, counts[e], w2[e], H, I, j0, j1, yd + start[e] * H, H);
-      for (int64_t p = start[e]; p < start[e + 1]; ++p)
-        for (int64_t j = j0; j < j1; ++j) {
-          float v = round_to<T>(yd[p * H + j]);
-          if (bias) v = round_to<T>(v + to_f(b2[e][j]));
-          yd[p * H + j] = v;
-        }
-    }
-  });
+  project<T>(ad, I, w2, bias ? &b2 : nullptr, H, start, counts, yd);
   // 3. combine, experts in order: out[t] += y * w (a product, then a sum: no fused multiply-add)
   const int64_t ldo = out.stride(0);
   at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {

@@ -39,40 +39,16 @@ using bf16 = at::BFloat16;
 inline float to_f(float v) { return v; }
 inline float to_f(bf16 v) { return static_cast<float>(v); }
 
-// dot(a[0:D], b[0:D]) in float32, b in the compute dtype, a already float32.
+// dot(a[0:D], b[0:D]) in float32, b in the compute dtype, a already float32 (the path
+// without AVX-512; with it, `dot16`).
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t D) {
-  int64_t d = 0;
   float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= D; d += 16) {
-    __m512 bv;
-    if constexpr (std::is_same<T, float>::value) {
-      bv = _mm512_loadu_ps(b + d);
-    } else {
-      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d));
-      bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), bv, acc);
-  }
-  s = _mm512_reduce_add_ps(acc);
-#endif
-  for (; d < D; ++d) s += a[d] * to_f(b[d]);
+  for (int64_t d = 0; d < D; ++d) s += a[d] * to_f(b[d]);
   return s;
 }
 
 #if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p) {
-  if constexpr (std::is_same<T, float>::value) {
-    return _mm512_loadu_ps(p);
-  } else {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
-
 // out[i] = q[0:D] . k[i][0:D] for 16 key rows (float32): lanes over D, then the transposing
 // reduction (`reduce16`), then the scalar tail of D.
 template <typename T>
@@ -82,7 +58,7 @@ inline void dot16(const float* q, const T* const* k, int64_t D, float* out) {
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
     const __m512 qv = _mm512_loadu_ps(q + d);
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load16<T>(k[i] + d), acc[i]);
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qv, load16(k[i] + d), acc[i]);
   }
   alignas(64) float sums[16];
   _mm512_store_ps(sums, reduce16(acc));
@@ -99,14 +75,7 @@ inline void axpy(float* acc, float w, const T* v, int64_t D) {
 #if defined(__AVX512F__)
   const __m512 wv = _mm512_set1_ps(w);
   for (; d + 16 <= D; d += 16) {
-    __m512 x;
-    if constexpr (std::is_same<T, float>::value) {
-      x = _mm512_loadu_ps(v + d);
-    } else {
-      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d));
-      x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, x, _mm512_loadu_ps(acc + d)));
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, load16(v + d), _mm512_loadu_ps(acc + d)));
   }
 #endif
   for (; d < D; ++d) acc[d] += w * to_f(v[d]);

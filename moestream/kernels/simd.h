@@ -3,7 +3,16 @@
 
 #include <immintrin.h>
 
+#include <c10/util/BFloat16.h>
+
 #if defined(__AVX512F__)
+// 16 values as float32: loaded, or bf16 widened (exact: the bits shifted into the high half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // The 16 horizontal sums of v[0..15] as one vector, each by the same tree: lanes l + (l + 8),
 // then + 4, then + 2, then + 1 (the order of _mm512_reduce_add_ps). Three levels of
 // transposing adds (shuffle two vectors' halves, add) and a last pair of in-lane shuffles.
