@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait at most for an idle machine first (default: 180)")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated subset of the methods, each with the one it is compared to "
-                         f"(default: all: {', '.join(METHODS)})")
+                         f"(default: all: {', '.join(METHODS)})".replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker is not None:

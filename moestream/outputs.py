@@ -54,7 +54,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """A request's output so far (cumulative); `finished` once it has stopped.
-    `num_cached_tokens`: prompt tokens found in the prefix cache (not computed), as vLLM."""
+    `num_cached_tokens`: prompt tokens found in the prefix cache (not computed), as vLLM.
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs`, as vLLM): per prompt token,
+    None for the first, then token id -> Logprob for the prompt token and the top-N; it
+    holds the positions computed so far (all of them once the first output token is out)."""
 
     request_id: str
     prompt: str | None
@@ -63,3 +66,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

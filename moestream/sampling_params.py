@@ -30,7 +30,9 @@ class SamplingParams:
 
     Fields mean what they mean in vLLM: `top_k` 0 or -1 disables top-k; `max_tokens=None`
     means up to max_model_len; `logprobs=N` returns the top-N logprobs (plus the sampled
-    token's) per output token; `logits_processors` are vLLM v0 style callables
+    token's) per output token; `prompt_logprobs=N` returns, for every prompt token after the
+    first, its raw logprob and the top-N (`RequestOutput.prompt_logprobs`; such a request
+    does not read the prefix cache, so every position is computed); `logits_processors` are vLLM v0 style callables
     `(output_token_ids so far, logits [V] float32) -> logits [V]`.
 
     After construction `stop` is a list[str] and `stop_token_ids` a list[int].
@@ -54,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
@@ -97,6 +100,8 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]")
         check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "None or an int of at least 0")
+        check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "None or an int of at least 0")
         check(self.seed is None or is_int(self.seed), "seed", "None or an int")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 

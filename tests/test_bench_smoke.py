@@ -104,3 +104,15 @@ def test_gpt_oss_bench_runs(gpt_oss_dir: str, tmp_path) -> None:
     assert data["hf"]["1"]["tok_s"] > 0 and isinstance(data["meta"]["first_tokens_equal_hf"], bool)  # bf16: may differ
     assert data["vllm"]["status"] in ("ok", "not installed", "failed")
     assert open(out + ".md").read().count("| moestream |") == 1
+
+
+def test_every_bench_script_prints_its_help() -> None:
+    """Regression: `bench/spec_decode.py --help` raised ValueError (a `%` in a help string,
+    which argparse formats with %). Every bench script's --help prints its usage."""
+    scripts = sorted(f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py") and f != "report.py")
+    procs = {f: subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", f), "--help"], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for f in scripts}
+    for f, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.startswith("usage:"), f"{f}: {err[-2000:]}"
+    assert "spec_decode.py" in procs and "lm_eval_demos.py" in procs

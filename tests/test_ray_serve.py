@@ -22,6 +22,7 @@ import pytest
 
 from moestream import LLM, SamplingParams
 from moestream.demo import demo_model_path
+from moestream.loader import load_tokenizer
 
 NAME = "demo"
 LONG = 200  # tokens per request of the fault test: in flight for seconds, so the kill lands mid-load
@@ -171,6 +172,12 @@ def test_twenty_concurrent_requests_reach_both_replicas_with_single_engine_text(
     assert sum(served.values()) == 20 and len(served) == 2 and min(served.values()) >= 6, served
     r = httpx.get(cluster + "/v1/models", timeout=10)
     assert r.json()["data"][0]["id"] == NAME and r.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    # the token endpoints are answered by a replica's tokenizer (/detokenize has no prompt to route by)
+    ids = httpx.post(cluster + "/tokenize", json={"prompt": PROMPTS[3]}, timeout=30).json()["tokens"]
+    assert ids == load_tokenizer(demo_model_path()).encode(PROMPTS[3])
+    assert httpx.post(cluster + "/detokenize", json={"tokens": ids}, timeout=30).json() == {"prompt": PROMPTS[3]}
+    bad = httpx.post(cluster + "/detokenize", json={"tokens": [-1]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
 def test_shared_prefix_goes_to_one_replica_and_hits(cluster: str) -> None:

@@ -63,8 +63,10 @@ def test_bad_prompts_and_engine_limits(llm: LLM) -> None:
     for prompt in (None, 5, {"prompt_token_ids": None}, {"prompt_token_ids": 5}, [True, False], {"prompt": 3}):
         with pytest.raises(ValueError):
             llm.generate(prompt, GREEDY)
-    with pytest.raises(ValueError, match="more than max_logprobs=20"):
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
         llm.generate("hi", SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate("hi", SamplingParams(prompt_logprobs=21))
     with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 151936\)"):
         llm.generate("hi", SamplingParams(stop_token_ids=[-1]))
     assert not engine.requests and not engine.has_unfinished_requests()

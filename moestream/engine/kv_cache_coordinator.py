@@ -148,7 +148,10 @@ class KVCacheCoordinator:
     # ---- admission ------------------------------------------------------------------
 
     def find_prefix(self, req: Request) -> PrefixHit:
-        """The longest usable cached prefix of a waiting request's tokens (nothing taken)."""
+        """The longest usable cached prefix of a waiting request's tokens (nothing taken);
+        none for a request that asks for prompt logprobs (every position must be computed)."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return PrefixHit([], 0, None, 0, tuple([] for _ in self.groups[1:]))
         if len(self.groups) > 1 or self.kv.window is not None:
             return self._find_group_prefix(req)
         blocks = self.kv.get_computed_blocks(req.request_id, req.token_ids, req.mm_hash_spans)

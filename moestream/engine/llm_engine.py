@@ -62,8 +62,6 @@ class LLMEngine:
     def kv_cache(self) -> KVCacheManager:  # the full-attention layers' block pool
         return self.coordinator.kv
 
-    # ---- requests -------------------------------------------------------------------
-
     def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
         """A prompt validated and tokenized (`InputProcessor.process`; a str is tokenized
         with special tokens, as vLLM); a `ProcessedPrompt` is returned as is.
@@ -128,14 +126,15 @@ class LLMEngine:
         """Checks of SamplingParams against this engine's limits.
 
         Raises:
-            ValueError: not a SamplingParams, more logprobs than max_logprobs, or a stop
-                token id outside the vocabulary.
+            ValueError: not a SamplingParams, more (prompt) logprobs than max_logprobs, or a
+                stop token id outside the vocabulary.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs={self.config.max_logprobs}; ask "
-                             "for fewer or raise the engine's max_logprobs")
+        for kind, n in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):  # vLLM's wording
+            if n is not None and n > self.config.max_logprobs:
+                raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
+                                 f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
@@ -153,8 +152,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    # ---- stepping -------------------------------------------------------------------
-
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update and detokenize once. Returns the outputs
         of the requests that produced a token or finished in this step (cumulative, as vLLM)."""
@@ -163,6 +160,7 @@ class LLMEngine:
             return []
         samplers, logits, starts, first = self._execute(sched)
         now = time.monotonic()  # only now, with nothing left that can fail, does the step's progress count
+        self.output_processor.add_prompt_logprobs(self.runner.prompt_logprobs)
         finished = accept_tokens(samplers, logits, starts, first, self._sample,
                                  lambda r, t, lps: self.output_processor.append_token(r, t, lps, now),
                                  self.speculator) if samplers else {}

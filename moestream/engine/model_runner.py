@@ -10,6 +10,7 @@ from torch import nn
 
 from moestream.engine.kv_cache import slot_of
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
+from moestream.engine.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, prompt_logprob_spans
 from moestream.engine.request import Request
 from moestream.engine.scheduler import SchedulerOutput
 from moestream.engine.state_pool import StatePool
@@ -82,6 +83,7 @@ class ModelRunner:
         self.mtp_kv = kv_caches[num_tensors] if mtp is not None else None
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: dict[str, tuple[int, int]] = {}
+        self.prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, for the update phase
 
     def attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
                             slots: list[int], sliding: AttentionMetadata | None = None) -> AttentionMetadata:
@@ -181,6 +183,7 @@ class ModelRunner:
         """Run one step in one forward. Returns (requests that sample now, their logits [R, V]
         float32, rows per request): a request with k draft tokens (`spec_token_ids`, inputs
         after its last token) has 1 + k rows, one per position to verify; others have 1.
+        The prompt logprobs the step computed are left in `prompt_logprobs`.
 
         Raises:
             ValueError: a hybrid model's step without a state plan.
@@ -223,6 +226,8 @@ class ModelRunner:
             self.recorder.begin_step([r.request_id for r, n in scheduled for _ in range(n)], positions)
         hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,
                             inputs_embeds=self._inputs_embeds(ids, spans))  # [T, H]
+        lp_spans = prompt_logprob_spans(scheduled)
+        self.prompt_logprobs = compute_prompt_logprobs(hidden, self.model.compute_logits, lp_spans) if lp_spans else []
         if self.mtp is not None:  # the MTP pass reads every row's hidden state after the update
             self.last_hidden = hidden
             self.last_rows = {r.request_id: (r.num_computed_tokens, qsl[i]) for i, (r, _) in enumerate(scheduled)}

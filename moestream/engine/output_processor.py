@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from moestream.engine.detokenizer import find_stop_string
+from moestream.engine.prompt_logprobs import PromptLogprobsChunk
 from moestream.engine.request import Request, RequestStatus
 from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moestream.sampling_params import Logprob
@@ -78,6 +79,16 @@ class OutputProcessor:
             req.stop_reason = reason
         return status
 
+    def add_prompt_logprobs(self, chunks: list[PromptLogprobsChunk]) -> None:
+        """Store a step's prompt logprobs on their requests (token texts decoded). Positions a
+        request already holds (computed again after a preemption) are kept as they are."""
+        for c in chunks:
+            req = c.request
+            for pos, lps in enumerate(c.entries, c.first):
+                if pos == len(req.prompt_logprobs):
+                    req.prompt_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
+                                                for t, lp, rank in reversed(lps)})
+
     @staticmethod
     def make_output(req: Request) -> RequestOutput:
         """`req`'s cumulative output; while it runs, text that may be the start of a stop
@@ -101,4 +112,5 @@ class OutputProcessor:
             req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
         )
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics,
-                             req.num_cached_tokens or 0)
+                             req.num_cached_tokens or 0,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)

@@ -74,6 +74,7 @@ class Request:
     output_text: str = ""
     stop_reason: int | str | None = None
     logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None  # per prompt position (None at 0), filled as computed
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -89,6 +90,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
     @property
     def mm_hash_spans(self) -> tuple[tuple[int, int, bytes], ...]:

@@ -44,20 +44,25 @@ from moestream.server.metrics import ServerMetrics
 from moestream.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     ParamError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
 )
 from moestream.server.serving import APIError, ServerConfig, usage
 from moestream.server.serving_chat import OpenAIServingChat
 from moestream.server.serving_completion import OpenAIServingCompletion
+from moestream.server.serving_tokenization import OpenAIServingTokenization, tokenizer_answer
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("moestream.server.requests")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version", "/metrics", "/tokenize",
+          "/detokenize", "/tokenizer_info")
 
 
 def _printable(text: str | None) -> str | None:
@@ -302,10 +307,11 @@ def body_precheck(max_model_len: int, max_waiting_requests: int) -> Callable[[An
     return check
 
 
-async def parse_body(request: Request, model: type[BaseModel],
+async def parse_body(request: Request, model: type[BaseModel] | Callable[[Any], type[BaseModel]],
                      precheck: Callable[[Any], None] | None = None) -> Any:
-    """The JSON body validated as `model` (whatever the Content-Type, as OpenAI's API);
-    `precheck(data)` runs on the parsed JSON first and may raise APIError.
+    """The JSON body validated as `model` (whatever the Content-Type, as OpenAI's API), or
+    as the model a function of the parsed JSON picks; `precheck(data)` runs on the parsed
+    JSON first and may raise APIError.
 
     Raises:
         APIError: 400 for a body that is not JSON, holds a string that is not valid Unicode
@@ -326,6 +332,8 @@ async def parse_body(request: Request, model: type[BaseModel],
                             "\\ud800); send UTF-8 text", param=where.split(".")[0])
     if precheck is not None:
         precheck(data)
+    if not isinstance(model, type):
+        model = model(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -382,6 +390,13 @@ class ServingBackend(Protocol):
             APIError: answered in OpenAI's error shape.
         """
 
+    async def tokenizer_call(self, kind: str, req: Any) -> dict[str, Any]:
+        """The JSON body of a tokenizer endpoint (`tokenizer_answer`'s kinds).
+
+        Raises:
+            APIError: answered in OpenAI's error shape.
+        """
+
 
 class LocalBackend:
     """One `LLMEngine` in this process, stepped by its `AsyncLLMEngine` thread; `metrics` is
@@ -394,6 +409,7 @@ class LocalBackend:
         self.max_model_len = engine.max_model_len
         self.serving = {"completion": OpenAIServingCompletion(self.async_engine, config),
                         "chat": OpenAIServingChat(self.async_engine, config)}
+        self.tokenization = OpenAIServingTokenization(self.async_engine, config, self.serving["chat"])
 
     async def start(self) -> None:
         self.async_engine.start()
@@ -407,6 +423,9 @@ class LocalBackend:
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
+
+    async def tokenizer_call(self, kind: str, req: Any) -> dict[str, Any]:
+        return await tokenizer_answer(self.tokenization, kind, req)
 
     async def answer(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         serving = self.serving[kind]
@@ -501,6 +520,23 @@ def build_openai_app(backend: ServingBackend, config: ServerConfig, metrics: Ser
     async def chat_completions(request: Request) -> Response:
         """Body: ChatCompletionRequest."""
         return await backend.answer("chat", await parse_body(request, ChatCompletionRequest, precheck), request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """Body: TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
+        req = await parse_body(request, lambda d: TokenizeChatRequest if isinstance(d, dict) and "messages" in d
+                               else TokenizeCompletionRequest, precheck)
+        return JSONResponse(await backend.tokenizer_call("tokenize", req))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        """Body: DetokenizeRequest."""
+        return JSONResponse(await backend.tokenizer_call("detokenize", await parse_body(request, DetokenizeRequest)))
+
+    if config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(await backend.tokenizer_call("tokenizer_info", None))
 
     return app
 

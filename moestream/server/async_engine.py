@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class EngineError(RuntimeError):
@@ -211,6 +212,12 @@ class AsyncLLMEngine:
     def tokenizer(self) -> "PreTrainedTokenizerBase":
         """The engine's tokenizer; outside the engine thread, only for chat templates (no encoding)."""
         return self.engine.tokenizer
+
+    async def run_tokenizer(self, fn: Callable[["PreTrainedTokenizerBase"], _T]) -> _T:
+        """`fn(tokenizer)` on the tokenizer thread, with that thread's own copy of the
+        tokenizer (/tokenize, /detokenize): never on the event loop or the engine thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, fn, self.input_processor.tokenizer)
 
     @property
     def is_running(self) -> bool:

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "as data: URLs)")
     srv.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                      help="directory whose files file:// image URLs may name (default: no local files)")
+    srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info: tokenizer class, special tokens, chat template (default: off)")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log one line per request: method, path, status, request id, prompt and output tokens, "
                           "latency (default: off)")
@@ -258,7 +260,8 @@ def _serve(args: argparse.Namespace) -> int:
                               max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
                               engine_threads=threads, enable_log_requests=args.enable_log_requests,
                               allowed_media_domains=tuple(args.allowed_media_domains),
-                              allowed_local_media_path=args.allowed_local_media_path)
+                              allowed_local_media_path=args.allowed_local_media_path,
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
         if args.ray:
             return _serve_ray(args, engine_config, config)
         engine = LLMEngine(engine_config)

@@ -3,7 +3,8 @@
 Requests are validated strictly (no string-to-number coercion) and ignore unknown fields,
 as vLLM does. Besides OpenAI's fields they take vLLM's extra sampling fields: `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`.
+`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`; and vLLM's
+`/tokenize` and `/detokenize` bodies.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class SamplingRequest(_Request):
     stop_token_ids: list[int] | None = Field(None, max_length=1024)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0)
 
     @field_validator("logit_bias")
     @classmethod
@@ -96,7 +98,7 @@ class CompletionRequest(SamplingRequest):
     a list of lists of token ids (a batch)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -109,13 +111,6 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         return p
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
@@ -127,7 +122,16 @@ class CompletionRequest(SamplingRequest):
     def _check(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of", "best_of is not supported (only best_of equal to n)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens must be at least 1, got 0 (0 is allowed only with echo: true, "
+                                           "which then returns the prompt and its logprobs)")
         return self
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """`echo` with `max_tokens` 0: the answer is the prompt alone (one token is sampled
+        and dropped, as vLLM)."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextContentPart(_Request):
@@ -199,6 +203,41 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a `prompt` (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """POST /tokenize with chat `messages`, rendered by the chat template first (vLLM's shape;
+    special tokens come from the template, so `add_special_tokens` defaults to false)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "TokenizeChatRequest":
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ParamError("continue_final_message",
+                             "continue_final_message needs add_generation_prompt: false")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 # ---- responses ------------------------------------------------------------------------
 
 
@@ -219,12 +258,26 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogProbs(BaseModel):
-    """Completion logprobs, one entry per output token (natural logs; offsets in characters)."""
+    """Completion logprobs, one entry per token (natural logs; offsets in characters). With
+    `echo` the prompt's tokens come first, the very first with a null logprob (OpenAI, vLLM)."""
 
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's serialized `Logprob` of `prompt_logprobs`: natural log, 1-based rank, text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `prompt_logprobs` in a response: per prompt token, None for the first, then
+# token id -> its PromptLogprob (the prompt token and the top-N).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -235,6 +288,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -294,6 +348,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -322,6 +377,22 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    """The answer of /tokenize: the ids, their count, the server's max_model_len, and with
+    `return_token_strs` each id's token string."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    """The answer of /detokenize: the decoded text."""
+
+    prompt: str
 
 
 class ModelCard(BaseModel):

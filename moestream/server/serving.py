@@ -18,7 +18,7 @@ from moestream.outputs import RequestOutput
 from moestream.threads import resolve_threads
 from moestream.sampling_params import Logprob, SamplingParams
 from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
-from moestream.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
+from moestream.server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class ServerConfig:
             fetched (vLLM's flag); empty (default) = the server fetches nothing.
         allowed_local_media_path: multimodal models: directory whose files `file://` image
             URLs may name (vLLM's flag); None (default) = no local files.
+        enable_tokenizer_info_endpoint: serve GET /tokenizer_info (vLLM's flag; off by
+            default, as it shows the chat template and special tokens).
     """
 
     served_model_names: tuple[str, ...]
@@ -53,6 +55,7 @@ class ServerConfig:
     enable_log_requests: bool = False
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.engine_threads is not None and self.engine_threads < 1:
@@ -94,6 +97,8 @@ def bad_request(error: ValueError, fields: Sequence[str], prompt_param: str) -> 
     message = str(error)
     m = _FIRST_WORD.match(message)
     param = m.group(1) if m and m.group(1) in fields else None
+    if message.startswith("Requested "):  # vLLM's wording of the max_logprobs checks
+        param = "prompt_logprobs" if message.startswith("Requested prompt") else "logprobs"
     if param is None and "prompt" in message:
         param = prompt_param
     return APIError(400, message, param=param)
@@ -102,6 +107,15 @@ def bad_request(error: ValueError, fields: Sequence[str], prompt_param: str) -> 
 def top_logprobs(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
     """The n most likely (token id, Logprob) of one position, most likely first."""
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)[:n]
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of a response, -inf clamped to -9999.0 as vLLM does (JSON has no inf)."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                                      decoded_token=lp.decoded_token) for t, lp in e.items()}
+            for e in entries]
 
 
 def usage(outputs: dict[str, RequestOutput], prompt_of: dict[str, int]) -> UsageInfo:
@@ -150,11 +164,12 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                        choice: int) -> SamplingParams:
+                        choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of choice `choice` (0-based) of a request. With a seed, choice i
         uses seed + i, so that the n choices differ and choice 0 equals an offline run. A
         field the request leaves unset takes the model's generation_config.json value if it
-        has one (as vLLM), else the built-in default.
+        has one (as vLLM), else the built-in default. `prompt_logprobs`: when None, the
+        request's own field.
 
         Raises:
             APIError: 400 when SamplingParams rejects a value (the field is named).
@@ -180,6 +195,7 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 logprobs=logprobs,
+                prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as e:

@@ -28,7 +28,15 @@ from moestream.server.protocol import (
     random_id,
 )
 from moestream.server.media import MediaPolicy, open_image, read_image_bytes, url_scheme
-from moestream.server.serving import APIError, OpenAIServing, ServerConfig, sse, top_logprobs, usage
+from moestream.server.serving import (
+    APIError,
+    OpenAIServing,
+    ServerConfig,
+    prompt_logprobs_json,
+    sse,
+    top_logprobs,
+    usage,
+)
 
 # Threads decoding images, and threads fetching remote ones (--allowed-media-domains).
 MEDIA_THREADS = 4
@@ -191,8 +199,10 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason,
                 logprobs=_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None,
             ))
+        first = final[stream.request_ids[0]]  # every choice has the same prompt
         return ChatCompletionResponse(id=base, model=self.model_name, choices=choices,
-                                      usage=usage(final, dict.fromkeys(stream.request_ids, 0)))
+                                      usage=usage(final, dict.fromkeys(stream.request_ids, 0)),
+                                      prompt_logprobs=prompt_logprobs_json(first.prompt_logprobs))
 
     def events(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> AsyncIterator[str]:
         """The SSE events of a streamed chat completion: a role chunk per choice, content

@@ -80,6 +80,21 @@ class RayBackend:
         texts = await self.collector.texts.remote() if self.collector is not None else {}
         return merge_metrics(self.metrics.render(), texts, _INGRESS_ONLY)
 
+    async def tokenizer_call(self, kind: str, req: Any) -> dict[str, Any]:
+        """Answered by a replica (its tokenizer and chat template).
+
+        Raises:
+            APIError: the replica's error, or 503 when no replica is alive.
+        """
+        try:
+            status, body = await self.replicas.tokenizer_call.remote(kind, req)
+        except _REPLICA_GONE as e:
+            raise _no_replica(e) from None
+        if status != 200:
+            err = body["error"]
+            raise APIError(status, err["message"], type=err["type"], param=err["param"], code=err["code"])
+        return body
+
     async def answer(self, kind: str, req: CompletionRequest | ChatCompletionRequest, request: Request) -> Response:
         if req.stream:
             def send() -> tuple[Awaitable[Any], Any]:

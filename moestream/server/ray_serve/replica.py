@@ -17,6 +17,7 @@ from moestream.server.ray_serve.metrics import PUSH_INTERVAL_S
 from moestream.server.serving import APIError, ServerConfig
 from moestream.server.serving_chat import OpenAIServingChat
 from moestream.server.serving_completion import OpenAIServingCompletion
+from moestream.server.serving_tokenization import OpenAIServingTokenization, tokenizer_answer
 
 logger = logging.getLogger("moestream")
 
@@ -45,6 +46,7 @@ class EngineReplica:
         self.metrics.bind(lambda: self.async_engine.snapshot, lambda: self.async_engine.num_queued)
         self.serving = {"completion": OpenAIServingCompletion(self.async_engine, server_config),
                         "chat": OpenAIServingChat(self.async_engine, server_config)}
+        self.tokenization = OpenAIServingTokenization(self.async_engine, server_config, self.serving["chat"])
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.collector = collector
         self._pusher: asyncio.Task | None = None
@@ -70,6 +72,13 @@ class EngineReplica:
         except APIError as e:
             return e.status, error_body(e)
         return 200, result.model_dump()
+
+    async def tokenizer_call(self, kind: str, req: Any) -> tuple[int, dict]:
+        """A tokenizer endpoint's answer (`tokenizer_answer`): (HTTP status, JSON body)."""
+        try:
+            return 200, await tokenizer_answer(self.tokenization, kind, req)
+        except APIError as e:
+            return e.status, error_body(e)
 
     async def generate_stream(self, kind: str, req: Any) -> AsyncIterator[Any]:
         """A streamed answer: first (HTTP status, error body or None), then the SSE events

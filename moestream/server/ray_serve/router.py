@@ -48,7 +48,9 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
     the tie always went to the first: 16 concurrent unrelated prompts all landed on one
     replica. Among the replicas the parent ranks first (the prefix match, or the tenants
     with the least cached text) the least loaded wins, and a choice more than
-    `imbalanced_threshold` requests above the least loaded replica gives way to it.
+    `imbalanced_threshold` requests above the least loaded replica gives way to it. A call
+    without a prompt (/detokenize, /tokenizer_info) goes to the least loaded replica: the
+    parent divides by the prompt's length, and its error left the request waiting forever.
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -56,11 +58,11 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
         self._assigned: dict[Any, int] = {}  # replica id -> requests routed to it, not completed
         self._choice: dict[str, Any] = {}  # internal request id -> the replica it was routed to
 
-    def _extract_text_from_request(self, pending_request: Any) -> str:
+    def _extract_text_from_request(self, pending_request: Any) -> str | None:
         for arg in pending_request.args:
             if hasattr(arg, "prompt") or hasattr(arg, "messages"):
                 return prompt_text(arg)
-        raise ValueError("no moestream request among the call's arguments")
+        return None  # no prompt (/detokenize, /tokenizer_info): nothing to remember (`on_request_routed`)
 
     def _release(self, request_id: str) -> None:
         replica = self._choice.pop(request_id, None)
@@ -68,7 +70,11 @@ class PrefixAffinityRouter(PrefixCacheAffinityRouter):
             self._assigned[replica] = max(0, self._assigned.get(replica, 0) - 1)
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None) -> list:
-        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        if pending_request is not None and not any(hasattr(a, "prompt") or hasattr(a, "messages")
+                                                   for a in pending_request.args):
+            ranks = [list(candidate_replicas)]  # no prompt to follow (/detokenize, /tokenizer_info): the least loaded
+        else:
+            ranks = await super().choose_replicas(candidate_replicas, pending_request)
         first = next((r for r in ranks if r), None)
         if not first or pending_request is None:
             return ranks
