@@ -77,3 +77,19 @@ def test_prompt_logprobs_zero_and_one_token_prompt(qwen3_moe_dir: str) -> None:
     assert three.prompt_logprobs[0] is None and [list(e) for e in three.prompt_logprobs[1:]] == [[8], [9]]
     with pytest.raises(ValueError, match="prompt_logprobs must be None or an int of at least 0"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_prompt_logprobs_hybrid_equal_hf(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+    """Gated DeltaNet models: chunked prefill across the linear layers' states, swapped state
+    slots (2 resident), and a second sighting whose prefix (state checkpoints) is cached."""
+    prompts = parity_prompts()
+    llm = LLM(hybrid_dir, dtype="float32", max_model_len=80, max_num_batched_tokens=16, max_resident_states=2,
+              enable_prefix_caching=True)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP_K))
+        for out, p in zip(outs, prompts):
+            check_prompt_logprobs(out.prompt_logprobs, p, teacher_forced(hybrid_reference, p), TOP_K)
+            assert out.num_cached_tokens == 0
+    plain = llm.generate({"prompt_token_ids": prompts[-1]}, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert plain.num_cached_tokens > 0

@@ -58,7 +58,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty", None, "greater than 0"),
     ("/v1/completions", {**OK, "logit_bias": {"5": 1.0}}, 400, "logit_bias", None, "not supported"),
     ("/v1/completions", {**OK, "echo": True, "logprobs": 1, "prompt": "hello " * 300}, 400, "prompt", None,
-     "max_model_len"),
+     "The decoder prompt (301 tokens) is longer than the maximum model length of 128"),
     ("/v1/completions", {**OK, "prompt_logprobs": 21}, 400, "prompt_logprobs", None,
      "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
     ("/v1/completions", {**OK, "prompt_logprobs": -1}, 400, "prompt_logprobs", None, "greater than or equal to 0"),

@@ -128,7 +128,7 @@ def test_length_is_checked_before_tokenizing(offline_llm: LLM) -> None:
     proc.process("x" * 10)
     assert calls == [10]
     # A million token ids are refused by their count, before any id is looked at.
-    with pytest.raises(ValueError, match="the prompt is 1000000 tokens but max_model_len is 128"):
+    with pytest.raises(ValueError, match=r"The decoder prompt \(1000000 tokens\) is longer than the maximum model length of 128"):
         proc.process([None] * 1_000_000)
 
 

@@ -58,9 +58,10 @@ class InputProcessor:
 
     def _check_length(self, num_tokens: int, what: str) -> None:
         if num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {what} but max_model_len is {self.max_model_len}; it must be at most "
-                f"{self.max_model_len - 1} tokens to leave room for output"
+            raise ValueError(  # vLLM's wording, then what is allowed here
+                f"The decoder prompt ({what}) is longer than the maximum model length of {self.max_model_len} less "
+                f"one token for output: max_model_len is {self.max_model_len}, so the prompt may be at most "
+                f"{self.max_model_len - 1} tokens. Shorten the prompt or raise max_model_len."
             )
 
     def check_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, *, strict: bool) -> int:
