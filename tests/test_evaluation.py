@@ -42,7 +42,20 @@ def teacher_forced(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float().log_softmax(dim=-1)
 
 
-def test_echo_logprobs_equal_hf(live_server: LiveServer, hf_model: torch.nn.Module) -> None:
+@pytest.fixture(scope="module")
+def chunked_budget_server(qwen3_moe_dir: str) -> Iterator[LiveServer]:
+    """The tiny Qwen3-MoE served with chunked prefill (16-token chunks, under the longest
+    prompt's 40) and a 25% expert budget, prefix caching on."""
+    server = LiveServer(EngineConfig(model=qwen3_moe_dir, dtype="float32", max_model_len=128,
+                                     max_num_batched_tokens=16, expert_budget=0.25),
+                        ServerConfig(served_model_names=(SERVED_MODEL,), api_key=API_KEY))
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("server_name", ["live_server", "chunked_budget_server"])
+def test_echo_logprobs_equal_hf(server_name: str, hf_model: torch.nn.Module, request: pytest.FixtureRequest) -> None:
+    live_server: LiveServer = request.getfixturevalue(server_name)
     prompts = parity_prompts()
     tok = live_server.engine.tokenizer
     body = {"model": SERVED_MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
@@ -64,6 +77,8 @@ def test_echo_logprobs_equal_hf(live_server: LiveServer, hf_model: torch.nn.Modu
             assert choice["text"] == tok.decode(p) + tok.decode([generated])
             assert lp["tokens"][: len(p)] == [tok.decode([t]) for t in p]
     live_server.wait_idle()
+    if server_name == "chunked_budget_server":  # experts were really paged
+        assert live_server.engine.expert_stats()["misses"] > 0
 
 
 def test_echo_variants(live_server: LiveServer, offline_llm: LLM) -> None:
