@@ -32,7 +32,9 @@ class SamplingParams:
     means up to max_model_len; `logprobs=N` returns the top-N logprobs (plus the sampled
     token's) per output token; `prompt_logprobs=N` returns, for every prompt token after the
     first, its raw logprob and the top-N (`RequestOutput.prompt_logprobs`; such a request
-    does not read the prefix cache, so every position is computed); `logits_processors` are vLLM v0 style callables
+    does not read the prefix cache, so every position is computed); `logit_bias` maps token
+    ids to a number added to their logits before sampling (after the raw logprobs, before the
+    penalties, as vLLM v1); `logits_processors` are vLLM v0 style callables
     `(output_token_ids so far, logits [V] float32) -> logits [V]`.
 
     After construction `stop` is a list[str] and `stop_token_ids` a list[int].
@@ -57,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
@@ -102,6 +105,9 @@ class SamplingParams:
               "logprobs", "None or an int of at least 0")
         check(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
               "prompt_logprobs", "None or an int of at least 0")
+        check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            is_int(t) and is_number(b) for t, b in self.logit_bias.items())),
+            "logit_bias", "None or a dict of token id (int) -> finite number")
         check(self.seed is None or is_int(self.seed), "seed", "None or an int")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 

@@ -270,3 +270,18 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [-1.0, -1.0, -1.0, -1.0], [0.0, 2.0, 5.0, 5.0]])
     out = run(Sampler(), logits, [SamplingParams(temperature=0.0)] * 3)
     assert out.token_ids == [1, 0, 2] == logits.argmax(dim=-1).tolist()
+
+
+def test_logit_bias_is_added_after_raw_logprobs_and_only_to_its_row() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0.0, logit_bias={3: 3.5, 0: -0.5}, logprobs=1),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    out = run(Sampler(), logits, params)
+    assert out.token_ids == [3, 0]  # row 0: [1.5, 1, 0, 2.5]; row 1 untouched
+    raw = logits[0].log_softmax(dim=-1)
+    assert math.isclose(out.logprobs[0][0][1], raw[3].item(), rel_tol=1e-6)  # the raw logprob, rank 4
+    assert out.logprobs[0][0][2] == 4
+    # a bias and a penalty: the bias first, then repetition_penalty divides the biased positive logit
+    sp = SamplingParams(temperature=0.0, logit_bias={1: 2.0}, repetition_penalty=2.0)
+    assert run(Sampler(), logits[:1], [sp], outputs=[[1]]).token_ids == [0]  # (1 + 2) / 2 = 1.5 < 2
+    assert logits[0].tolist() == [2.0, 1.0, 0.0, -1.0]  # the caller's logits are not modified

@@ -16,6 +16,7 @@ from live_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from moestream import LLM, SamplingParams
+from moestream.server.protocol import CompletionRequest
 
 PROMPTS = ["Hello, my name is", "def add(a, b):", "The capital of France is", "import numpy as np\n"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
@@ -311,3 +312,18 @@ def test_cancelled_non_streaming_request_is_aborted(live_server: LiveServer) -> 
     assert live_server.engine.kv_cache.num_free_blocks == live_server.engine.kv_cache.num_blocks
     after = metric_samples(live_server)
     assert after[("moestream:request_success_total", (("finished_reason", "abort"),))] == aborted + 1
+
+
+def test_logit_bias_matches_offline_and_is_clamped(live_server: LiveServer, offline_llm: LLM) -> None:
+    c = client(live_server)
+    expected = offline_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6,
+                                                                logit_bias={220: 5.0, 13: -100.0}))[0].outputs[0]
+    plain = offline_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    assert expected.token_ids != plain.token_ids  # the bias matters for this prompt
+    out = c.completions.create(model=SERVED_MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                               logit_bias={"220": 5.0, "13": -100.0})
+    assert out.choices[0].text == expected.text
+    live_server.wait_idle()
+    # OpenAI's range [-100, 100], as vLLM clamps it
+    req = CompletionRequest(prompt="x", logit_bias={"5": 1000.0, " 6": -1e6, "7": 0.5})
+    assert req.logit_bias_ids() == {5: 100.0, 6: -100.0, 7: 0.5}

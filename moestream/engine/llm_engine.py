@@ -127,7 +127,7 @@ class LLMEngine:
 
         Raises:
             ValueError: not a SamplingParams, more (prompt) logprobs than max_logprobs, or a
-                stop token id outside the vocabulary.
+                stop or logit_bias token id outside the vocabulary.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -136,9 +136,9 @@ class LLMEngine:
                 raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
                                  f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias token ids", params.logit_bias or ())):
+            if bad := [t for t in ids if not 0 <= t < vocab]:
+                raise ValueError(f"{name} must be in [0, {vocab}); got {bad[:5]}")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks. Returns its final output, or None if unknown."""

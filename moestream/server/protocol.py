@@ -71,10 +71,18 @@ class SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or ():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids written as integers, got {key!r}")
         return v
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids and each bias clamped to [-100, 100] (OpenAI's
+        range; vLLM clamps the same way)."""
+        if not self.logit_bias:
+            return None
+        return {int(k): min(100.0, max(-100.0, b)) for k, b in self.logit_bias.items()}
 
     @field_validator("stop")
     @classmethod

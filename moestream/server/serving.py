@@ -196,6 +196,7 @@ class OpenAIServing:
                 frequency_penalty=req.frequency_penalty,
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                logit_bias=req.logit_bias_ids(),
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as e:
