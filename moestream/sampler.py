@@ -4,6 +4,7 @@ Follows vLLM v1 vllm/v1/sample/sampler.py (order of operations, raw logprobs) wi
 rules of vllm/v1/sample/ops/topk_topp_sampler.py and penalties of vllm/model_executor/layers/utils.py.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from moestream.kernels.sampling import argmax_rows
 
 from moestream.sampling_params import SamplingParams
+from moestream.structured_output.backend import GrammarMatcher
 
 
 @dataclass
@@ -138,7 +140,7 @@ def first_rows(logits: torch.Tensor, starts: list[int]) -> torch.Tensor:
 class Sampler:
     """Samples one token per row from [B, V] logits under per-request SamplingParams.
 
-    Per row: logits_processors -> raw logprobs -> logit_bias -> penalties -> argmax if greedy, else
+    Per row: logits_processors -> grammar mask -> raw logprobs -> logit_bias -> penalties -> argmax if greedy, else
     temperature -> min_p -> top_k -> top_p -> draw from the softmax with an exponential race
     (argmax of probs / Exp(1) noise). A row draws its noise from its own generator if given,
     so a seeded request's tokens do not depend on the rest of the batch; otherwise from the
@@ -151,17 +153,20 @@ class Sampler:
         self.argmax_kernel = argmax_kernel  # greedy argmax through the CPU kernel (`kernels/sampling.py`)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                 output_token_ids: list[list[int]], generators: list[torch.Generator | None]) -> SamplerOutput:
+                 output_token_ids: list[list[int]], generators: list[torch.Generator | None],
+                 grammars: Sequence[GrammarMatcher | None] = ()) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V] float32 (not modified). params, prompt_token_ids, output_token_ids,
-        generators: length B each. Returns a SamplerOutput with B token ids.
+        generators: length B each; `grammars`: per row, the structured-output matcher whose
+        mask applies after the logits processors (before the raw logprobs), or None.
+        Returns a SamplerOutput with B token ids.
         """
         B, V = logits.shape
         dev = logits.device
         penalized = any(sp.repetition_penalty != 1.0 or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
                         for sp in params)
-        processed = any(sp.logits_processors or sp.logit_bias for sp in params)
+        processed = any(sp.logits_processors or sp.logit_bias for sp in params) or any(g is not None for g in grammars)
         # a private copy only when it is written to (a greedy batch just takes the argmax: the
         # copy of [B, V] float32 logits was 2 ms of a 66 ms decode step at B=16)
         logits = logits.to(torch.float32)
@@ -180,6 +185,10 @@ class Sampler:
                 logits[i] = row
             except Exception as e:  # a user callback: isolate its failure to its own request
                 errors[i] = e
+
+        for i, g in enumerate(grammars):
+            if g is not None:
+                g.mask_logits(logits[i])
 
         want_logprobs = any(sp.logprobs is not None for sp in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None  # [B, V]

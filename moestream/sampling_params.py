@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.structured_output.params import StructuredOutputsParams
 from moestream.validation import is_int, is_number
 
 # Temperatures below this are treated as greedy, as vLLM's _SAMPLING_EPS.
@@ -34,7 +35,8 @@ class SamplingParams:
     first, its raw logprob and the top-N (`RequestOutput.prompt_logprobs`; such a request
     does not read the prefix cache, so every position is computed); `logit_bias` maps token
     ids to a number added to their logits before sampling (after the raw logprobs, before the
-    penalties, as vLLM v1); `logits_processors` are vLLM v0 style callables
+    penalties, as vLLM v1); `structured_outputs` constrains the output to a JSON schema,
+    regex, choice or grammar (`StructuredOutputsParams`); `logits_processors` are vLLM v0 style callables
     `(output_token_ids so far, logits [V] float32) -> logits [V]`.
 
     After construction `stop` is a list[str] and `stop_token_ids` a list[int].
@@ -60,6 +62,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
@@ -108,6 +111,8 @@ class SamplingParams:
         check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
             is_int(t) and is_number(b) for t, b in self.logit_bias.items())),
             "logit_bias", "None or a dict of token id (int) -> finite number")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "None or a StructuredOutputsParams")
         check(self.seed is None or is_int(self.seed), "seed", "None or an int")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 

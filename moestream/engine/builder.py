@@ -46,6 +46,7 @@ from moestream.multimodal.vision import load_vision_encoder
 from moestream.sampler import Sampler
 from moestream.spec_decode.mtp import load_mtp
 from moestream.spec_decode.speculator import Speculator
+from moestream.structured_output.guidance import GuidanceBackend
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     sampler: Sampler
+    grammar_backend: GuidanceBackend
     eos_token_ids: frozenset[int]
     output_processor: OutputProcessor
     speculator: Speculator | None
@@ -232,6 +234,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
         coordinator=coordinator, scheduler=scheduler, runner=runner,
         sampler=Sampler(config.seed, device, argmax_kernel=fused_moe or paged_attention),
+        grammar_backend=GuidanceBackend(tokenizer, mcfg.vocab_size),
         eos_token_ids=eos_token_ids, output_processor=OutputProcessor(tokenizer, eos_token_ids, max_model_len),
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,

@@ -87,8 +87,8 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
-        req = Request(request_id, p.prompt, p.prompt_token_ids, params,
-                      generator=make_generator(params.seed, self.device), mm_inputs=p.mm_inputs)
+        req = Request(request_id, p.prompt, p.prompt_token_ids, params, generator=make_generator(params.seed, self.device),
+                      mm_inputs=p.mm_inputs, grammar=self.grammar_backend.matcher(params.structured_outputs))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
@@ -126,8 +126,8 @@ class LLMEngine:
         """Checks of SamplingParams against this engine's limits.
 
         Raises:
-            ValueError: not a SamplingParams, more (prompt) logprobs than max_logprobs, or a
-                stop or logit_bias token id outside the vocabulary.
+            ValueError: not a SamplingParams, more (prompt) logprobs than max_logprobs, a stop
+                or logit_bias token id outside the vocabulary, or a constraint that does not compile.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -135,6 +135,8 @@ class LLMEngine:
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
                                  f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
+        if params.structured_outputs is not None:  # compiled once per key: bad constraints refused before queuing
+            self.grammar_backend.compile(params.structured_outputs)
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias token ids", params.logit_bias or ())):
             if bad := [t for t in ids if not 0 <= t < vocab]:
@@ -199,7 +201,7 @@ class LLMEngine:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> SamplerOutput:
         """Sample one token for each of `reqs` from its row of `logits` [len(reqs), V]."""
         return self.sampler(logits, [r.sampling_params for r in reqs], [r.prompt_token_ids for r in reqs],
-                            [r.output_token_ids for r in reqs], [r.generator for r in reqs])
+                            [r.output_token_ids for r in reqs], [r.generator for r in reqs], [r.grammar for r in reqs])
 
     # ---- stats ----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ whether the request stops (`check_stop`, a pure function), and build `RequestOut
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from moestream.engine.detokenizer import find_stop_string
@@ -12,6 +13,8 @@ from moestream.engine.prompt_logprobs import PromptLogprobsChunk
 from moestream.engine.request import Request, RequestStatus
 from moestream.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moestream.sampling_params import Logprob
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,6 +59,9 @@ class OutputProcessor:
         to `req` at time `now` (monotonic seconds); returns the status it finishes with, or
         None. A stop token's text is left out unless include_stop_str_in_output (vLLM v1)."""
         sp = req.sampling_params
+        if req.grammar is not None and not req.grammar.accept(token):  # the sampler masked it: a backend bug
+            logger.error("request %s: token %d does not follow its grammar; the grammar state is kept",
+                         req.request_id, token)
         req.token_ids.append(token)
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now

@@ -16,6 +16,7 @@ from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.multimodal.inputs import MultiModalInputs
 from moestream.sampling_params import SamplingParams
 from moestream.spec_decode.adaptive import DraftState
+from moestream.structured_output.backend import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +76,7 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None  # per prompt position (None at 0), filled as computed
+    grammar: GrammarMatcher | None = None  # structured outputs: the output's grammar state
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

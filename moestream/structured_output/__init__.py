@@ -1,0 +1,1 @@
+"""Structured outputs: grammar-constrained decoding (JSON schema, regex, choice, grammar)."""

@@ -1,0 +1,37 @@
+"""The grammar backend interface the engine uses (`GrammarBackend`, `GrammarMatcher`); a
+second backend (xgrammar, outlines-core) is one file implementing these two protocols."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from moestream.structured_output.params import StructuredOutputsParams
+
+
+class GrammarMatcher(Protocol):
+    """One request's grammar state."""
+
+    def mask_logits(self, row: torch.Tensor) -> None:
+        """Set the logits of the tokens forbidden next to -inf, in place. row: [V] float32."""
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False (state unchanged) when the grammar forbids it."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens."""
+
+    @property
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete (only end-of-sequence may follow)."""
+
+
+class GrammarBackend(Protocol):
+    """Compiles constraints (cached by `StructuredOutputsParams.key`) and makes matchers."""
+
+    def compile(self, params: StructuredOutputsParams) -> object:
+        """The compiled grammar. Raises ValueError naming `structured_outputs.<kind>`."""
+
+    def matcher(self, params: StructuredOutputsParams | None) -> GrammarMatcher | None:
+        """A fresh matcher for one request; None without `params`."""
