@@ -92,12 +92,23 @@ def test_echo_variants(live_server: LiveServer, offline_llm: LLM) -> None:
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) + 5 and lp["text_offset"][0] == 0
     assert lp["text_offset"][len(ids)] == len(prompt)  # generated tokens' offsets count past the prompt
-    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    # OpenAI: "up to logprobs + 1 elements": the chosen token's, then the top 2
+    for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert 1 <= len(top) <= 3 and next(iter(top)) == token and top[token] == value
 
-    # max_tokens 0: the prompt alone, and its scores
+    # max_tokens 0: the prompt alone, and its scores; logprobs 0 still shows each chosen token
+    # (regression: top_logprobs were all {}, and lm-eval's max() over them raised)
     zero = live_server.post("/v1/completions", json={**base, "max_tokens": 0, "logprobs": 0}, headers=AUTH).json()
     assert zero["choices"][0]["text"] == prompt and zero["choices"][0]["finish_reason"] == "length"
     assert zero["choices"][0]["logprobs"]["token_logprobs"][1:] == lp["token_logprobs"][1:len(ids)]
+    zlp = zero["choices"][0]["logprobs"]
+    assert all(top == {t: v} for t, v, top in zip(zlp["tokens"][1:], zlp["token_logprobs"][1:], zlp["top_logprobs"][1:]))
+
+    # regression: a character split over byte tokens made the echo's offsets run past the text and back
+    wide = live_server.post("/v1/completions", headers=AUTH, json={
+        "model": SERVED_MODEL, "prompt": 'x="日本"', "echo": True, "logprobs": 0, "max_tokens": 3, "temperature": 0}).json()
+    offsets, text = wide["choices"][0]["logprobs"]["text_offset"], wide["choices"][0]["text"]
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
     assert zero["usage"]["completion_tokens"] == 0 and zero["usage"]["prompt_tokens"] == len(ids)
 
     # streamed: the echo comes with the first chunk; the pieces add up to the whole answer
@@ -144,6 +155,9 @@ def test_tokenize_detokenize_round_trip(live_server: LiveServer) -> None:
                             json={"model": SERVED_MODEL, "messages": messages, "max_tokens": 1}).json()
     assert chat["usage"]["prompt_tokens"] == r["count"]
     assert live_server.get("/tokenizer_info").status_code == 404  # off unless --enable-tokenizer-info-endpoint
+    # regression: a null `messages` next to a prompt was taken for a chat request (400)
+    r = live_server.post("/tokenize", json={"prompt": "hi", "messages": None})
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("hi")
     live_server.wait_idle()
 
 

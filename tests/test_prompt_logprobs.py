@@ -28,6 +28,7 @@ def check_prompt_logprobs(entries: list, prompt: list[int], ref: torch.Tensor, k
     assert len(entries) == len(prompt) and entries[0] is None
     for i in range(1, len(prompt)):
         e, row, t = entries[i], ref[i - 1], prompt[i]
+        assert next(iter(e)) == t  # vLLM's order: the prompt token first, then the top-k
         assert abs(e[t].logprob - row[t].item()) < ATOL, f"position {i}"
         lo = int((row > row[t] + ATOL).sum()) + 1
         hi = int((row > row[t] - ATOL).sum()) + 1

@@ -66,7 +66,7 @@ class OutputProcessor:
         req.first_token_time = req.first_token_time or now
         req.last_token_time = now
         if lps is not None:
-            entry = {t: Logprob(lp, rank, self.tokenizer.decode([t])) for t, lp, rank in reversed(lps)}
+            entry = self.logprob_entry(lps)
             if req.logprobs is None:
                 req.logprobs = []
             req.logprobs.append(entry)
@@ -85,6 +85,15 @@ class OutputProcessor:
             req.stop_reason = reason
         return status
 
+    def logprob_entry(self, lps: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        """One position's logprobs as vLLM's dict: the sampled (or prompt) token first, then
+        the top-N in rank order (a top token equal to the first is not repeated)."""
+        entry: dict[int, Logprob] = {}
+        for t, lp, rank in lps:
+            if t not in entry:
+                entry[t] = Logprob(lp, rank, self.tokenizer.decode([t]))
+        return entry
+
     def add_prompt_logprobs(self, chunks: list[PromptLogprobsChunk]) -> None:
         """Store a step's prompt logprobs on their requests (token texts decoded). Positions a
         request already holds (computed again after a preemption) are kept as they are."""
@@ -92,8 +101,7 @@ class OutputProcessor:
             req = c.request
             for pos, lps in enumerate(c.entries, c.first):
                 if pos == len(req.prompt_logprobs):
-                    req.prompt_logprobs.append({t: Logprob(lp, rank, self.tokenizer.decode([t]))
-                                                for t, lp, rank in reversed(lps)})
+                    req.prompt_logprobs.append(self.logprob_entry(lps))
 
     @staticmethod
     def make_output(req: Request) -> RequestOutput:

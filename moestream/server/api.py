@@ -524,8 +524,8 @@ def build_openai_app(backend: ServingBackend, config: ServerConfig, metrics: Ser
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         """Body: TokenizeCompletionRequest (`prompt`) or TokenizeChatRequest (`messages`)."""
-        req = await parse_body(request, lambda d: TokenizeChatRequest if isinstance(d, dict) and "messages" in d
-                               else TokenizeCompletionRequest, precheck)
+        req = await parse_body(request, lambda d: TokenizeChatRequest if isinstance(d, dict) and
+                               d.get("messages") is not None else TokenizeCompletionRequest, precheck)
         return JSONResponse(await backend.tokenizer_call("tokenize", req))
 
     @app.post("/detokenize")

@@ -98,6 +98,8 @@ class SamplingRequest(_Request):
     def _check_common(self) -> "SamplingRequest":
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's check and wording
+            raise ParamError("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
         return self
 
 

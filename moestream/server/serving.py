@@ -109,12 +109,15 @@ def top_logprobs(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)[:n]
 
 
-def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
-    """vLLM's `prompt_logprobs` of a response, -inf clamped to -9999.0 as vLLM does (JSON has no inf)."""
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, n: int | None = None
+                         ) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` of a response: per position the prompt token, then the top `n`
+    (all when None); -inf clamped to -9999.0 as vLLM does (JSON has no inf)."""
     if entries is None:
         return None
     return [None if e is None else {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
-                                                      decoded_token=lp.decoded_token) for t, lp in e.items()}
+                                                      decoded_token=lp.decoded_token)
+                                    for i, (t, lp) in enumerate(e.items()) if i == 0 or n is None or lp.rank <= n}
             for e in entries]
 
 

@@ -202,7 +202,7 @@ class OpenAIServingChat(OpenAIServing):
         first = final[stream.request_ids[0]]  # every choice has the same prompt
         return ChatCompletionResponse(id=base, model=self.model_name, choices=choices,
                                       usage=usage(final, dict.fromkeys(stream.request_ids, 0)),
-                                      prompt_logprobs=prompt_logprobs_json(first.prompt_logprobs))
+                                      prompt_logprobs=prompt_logprobs_json(first.prompt_logprobs, req.prompt_logprobs))
 
     def events(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> AsyncIterator[str]:
         """The SSE events of a streamed chat completion: a role chunk per choice, content

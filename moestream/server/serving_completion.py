@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 
 from moestream.engine.llm_engine import PromptType
 from moestream.outputs import RequestOutput
+from moestream.sampling_params import Logprob
 from moestream.server.async_engine import RequestStream
 from moestream.server.protocol import (
     CompletionChoice,
@@ -34,10 +35,22 @@ def _prompts(prompt: str | list) -> list[PromptType]:
     return list(prompt)
 
 
-def _echo_logprobs(out: RequestOutput, n: int, decode: Callable[[list[int]], str]) -> CompletionLogProbs:
+def _top(entry: dict[int, Logprob], token_id: int, n: int) -> dict[str, float]:
+    """OpenAI's `top_logprobs` entry: the chosen token's logprob, then the top `n` (OpenAI: "up
+    to logprobs + 1 elements"; vLLM the same), by token text, -inf shown as MIN_LOGPROB."""
+    top = {(entry[token_id].decoded_token or ""): max(entry[token_id].logprob, MIN_LOGPROB)}
+    for _, p in top_logprobs(entry, n):
+        top.setdefault(p.decoded_token or "", max(p.logprob, MIN_LOGPROB))
+    return top
+
+
+def _echo_logprobs(out: RequestOutput, n: int, decode: Callable[[list[int]], str], text_len: int
+                   ) -> CompletionLogProbs:
     """OpenAI's logprobs of the prompt's tokens (echo): the first token's logprob and top
-    logprobs are null (nothing precedes it), then each token's raw logprob and the top `n`;
-    text offsets from 0. `decode` gives a token's text where no logprob entry has it."""
+    logprobs are null (nothing precedes it), then each token's raw logprob and `_top`.
+    Text offsets add up the tokens' texts from 0, capped at `text_len` (the prompt text's
+    length: a character split over several byte tokens decodes to several '\ufffd'), so
+    they never decrease. `decode` gives a token's text where no logprob entry has it."""
     lp = CompletionLogProbs()
     offset = 0
     entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
@@ -49,10 +62,9 @@ def _echo_logprobs(out: RequestOutput, n: int, decode: Callable[[list[int]], str
         else:
             token = entry[token_id].decoded_token or ""
             lp.token_logprobs.append(max(entry[token_id].logprob, MIN_LOGPROB))
-            lp.top_logprobs.append({(p.decoded_token or ""): max(p.logprob, MIN_LOGPROB)
-                                    for _, p in top_logprobs(entry, n)})
+            lp.top_logprobs.append(_top(entry, token_id, n))
         lp.tokens.append(token)
-        lp.text_offset.append(offset)
+        lp.text_offset.append(min(offset, text_len))
         offset += len(token)
     return lp
 
@@ -71,7 +83,7 @@ def _logprobs(out: RequestOutput, start: int, n: int, text_offset: int,
         lp.tokens.append(token)
         lp.token_logprobs.append(chosen.logprob)
         lp.text_offset.append(offset)
-        lp.top_logprobs.append({(p.decoded_token or ""): p.logprob for _, p in top_logprobs(entry, n)})
+        lp.top_logprobs.append(_top(entry, token_id, n))
         offset += len(token)
     return lp
 
@@ -91,7 +103,9 @@ class OpenAIServingCompletion(OpenAIServing):
         fields = list(type(req).model_fields)
         # echo with logprobs scores the prompt (vLLM: prompt_logprobs defaults to logprobs then);
         # echo with max_tokens 0 samples one token, dropped from the answer (vLLM)
-        prompt_logprobs = req.logprobs if req.echo and req.prompt_logprobs is None else req.prompt_logprobs
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echo's top-N needs `logprobs` of them
+            prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
         max_tokens = 1 if req.echo_without_generation else req.max_tokens
         params = [self.sampling_params(req, max_tokens, req.logprobs, i, prompt_logprobs) for i in range(req.n)]
         prompts = _prompts(req.prompt)
@@ -119,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
         text = head + (c.text[sent_text:] if generated else "")
         lp = None
         if req.logprobs is not None:
-            lp = _echo_logprobs(out, req.logprobs, self.engine.tokenizer.decode) if echo else None
+            lp = _echo_logprobs(out, req.logprobs, self.engine.tokenizer.decode, len(head)) if echo else None
             if generated:  # offsets index the choice's text: past the echoed prompt
                 lp = _logprobs(out, sent_tokens, req.logprobs, len(head) + sent_text + echoed, lp)
             elif lp is None:
@@ -127,8 +141,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionChoice(
             index=index, text=text, logprobs=lp, finish_reason=c.finish_reason if generated else
             (None if c.finish_reason is None else "length"), stop_reason=c.stop_reason if generated else None,
-            prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None and first
-            else None)
+            prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs, req.prompt_logprobs)
+            if req.prompt_logprobs is not None and first else None)
 
     async def respond(self, req: CompletionRequest, stream: RequestStream, base: str) -> CompletionResponse:
         """Wait for every choice and build the response."""
