@@ -186,9 +186,9 @@ class Sampler:
             except Exception as e:  # a user callback: isolate its failure to its own request
                 errors[i] = e
 
-        for i, g in enumerate(grammars):
-            if g is not None:
-                g.mask_logits(logits[i])
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if rows:  # one batched mask for every constrained row
+            type(grammars[rows[0]]).mask_rows([grammars[i] for i in rows], logits, rows)
 
         want_logprobs = any(sp.logprobs is not None for sp in params)
         raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None  # [B, V]

@@ -104,3 +104,105 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm: LLM) -> None
         SO(json={}, regex="a")
     with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+# ---- through the server ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compact_server(qwen3_moe_dir: str):
+    """The tiny Qwen3-MoE (a chat template) served with `--structured-outputs-config
+    '{"disable_any_whitespace": true}'`: a random model under a grammar that allows any
+    whitespace can emit it until max_tokens runs out."""
+    from live_server import LiveServer
+
+    from moestream import EngineConfig
+    from moestream.server.serving import ServerConfig
+
+    server = LiveServer(EngineConfig(model=qwen3_moe_dir, dtype="float32", max_model_len=256,
+                                     structured_outputs_config={"disable_any_whitespace": True}),
+                        ServerConfig(served_model_names=("m",)))
+    yield server
+    server.stop()
+
+
+def test_openai_client_structured_outputs(compact_server) -> None:
+    import openai
+    import pydantic
+
+    class Step(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        kind: str = pydantic.Field(pattern="^(add|remove)$")
+        count: int = pydantic.Field(ge=0, le=99)
+        tags: list[pydantic.constr(max_length=6)] = pydantic.Field(min_length=1, max_length=2)
+
+    client = openai.OpenAI(base_url=compact_server.base_url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Give me a step."}]
+    for seed in range(3):
+        r = client.beta.chat.completions.parse(model="m", messages=messages, response_format=Step, max_tokens=120,
+                                               temperature=1.0, seed=seed)
+        step = r.choices[0].message.parsed
+        assert isinstance(step, Step) and json.loads(r.choices[0].message.content) == step.model_dump()
+        assert "\n" not in r.choices[0].message.content  # compact (--structured-outputs-config)
+
+    r = client.completions.create(model="m", prompt="x", max_tokens=96, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+    for extra, check in [
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, lambda t: t in ("red", "green", "blue")),
+        ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+        ({"guided_grammar": 'root ::= "<" [a-z] [a-z]? [a-z]? ">"'}, lambda t: re.fullmatch("<[a-z]{1,3}>", t)),
+    ]:
+        text = client.completions.create(model="m", prompt="x", max_tokens=40, temperature=0.8, seed=5,
+                                         extra_body=extra).choices[0].text
+        assert check(text), (extra, text)
+    compact_server.wait_idle()
+
+
+def test_token_bitmask_kernel_and_torch_fallback_equal_a_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU kernel and the torch path (no compiler) mask exactly the tokens whose bit is 0,
+    and every logit past the tokenizer's vocabulary, in the given rows only."""
+    from moestream.kernels.sampling import apply_token_bitmask
+    from moestream.structured_output import guidance
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, V, W = 1000, 1010, 32  # 1000 tokens need 32 words (the last one partly used)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, W), dtype=torch.int32, generator=gen)
+    bitmask[0, :5] = -1  # whole words allowed
+    bitmask[1, 5:9] = 0  # whole words forbidden
+    rows = [4, 0, 2]
+    logits = torch.randn(5, V, generator=gen)
+    expected = logits.clone()
+    for i, r in enumerate(rows):
+        for t in range(V):
+            if t >= vocab or not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    got = logits.clone()
+    apply_token_bitmask(got, bitmask, torch.tensor(rows), vocab)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="row 5 outside"):
+        apply_token_bitmask(got, bitmask, torch.tensor([0, 1, 5]), vocab)
+
+    class Fixed:  # a matcher whose mask is this bitmask row (llguidance's fill, bypassed)
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+    def fill_par(executor: object, pairs: list, out: torch.Tensor) -> None:
+        for m, j in pairs:
+            out[j] = bitmask[m.i]
+
+    matchers = []
+    for i in range(3):
+        m = guidance.GuidanceMatcher.__new__(guidance.GuidanceMatcher)
+        m._llg = type("llg", (), {"torch": type("t", (), {"allocate_token_bitmask": staticmethod(
+            lambda n, v: torch.zeros(n, (v + 31) // 32, dtype=torch.int32)),
+            "fill_next_token_bitmask_par": staticmethod(fill_par)})})
+        m._tokenizer_vocab, m._executor, m._matcher = vocab, None, Fixed(i)
+        matchers.append(m)
+    for kernels in (True, False):
+        monkeypatch.setattr(guidance, "load_cpu_kernels", lambda k=kernels: k)
+        got = logits.clone()
+        guidance.GuidanceMatcher.mask_rows(matchers, got, rows)
+        assert torch.equal(got, expected), f"kernels={kernels}"

@@ -146,6 +146,10 @@ class EngineConfig:
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '
               '(the checkpoint\'s multi-token-prediction layer); "adaptive": false keeps k fixed',
         parse=parse_json_object, metavar="JSON", default_help="off")
+    structured_outputs_config: dict | None = option(
+        None, 'structured outputs, as vLLM: \'{"backend": "guidance", "disable_any_whitespace": true}\'; '
+              'disable_any_whitespace makes every JSON constraint compact (a request can also ask for it)',
+        parse=parse_json_object, metavar="JSON", default_help="guidance, whitespace allowed")
     threads: int | str | None = option(
         "auto", "torch intra-op threads of this process: N, or auto = on CPU the cores this process may use "
                 "(affinity and cgroup quota; serve keeps one for its HTTP event loop), fewer under load, at "
@@ -254,6 +258,12 @@ class EngineConfig:
                 # Adaptive k follows measured step times, which differ run to run: a fixed k
                 # keeps the drafted (so the verified) tokens a function of the request alone.
                 object.__setattr__(self, "speculative_config", replace(self.speculative_config, adaptive=False))
+        so = self.structured_outputs_config
+        if so is not None and not (isinstance(so, dict) and set(so) <= {"backend", "disable_any_whitespace"}
+                                   and so.get("backend", "guidance") in ("auto", "guidance")
+                                   and isinstance(so.get("disable_any_whitespace", False), bool)):
+            raise ValueError(f"structured_outputs_config takes backend ('auto' or 'guidance') and "
+                             f"disable_any_whitespace (true/false); got {so!r}")
         if self.limit_mm_per_prompt is not None:
             lim = self.limit_mm_per_prompt
             if not isinstance(lim, dict) or any(k not in ("image", "video") or not is_int(v) or v < 0

@@ -234,7 +234,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
         expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
         coordinator=coordinator, scheduler=scheduler, runner=runner,
         sampler=Sampler(config.seed, device, argmax_kernel=fused_moe or paged_attention),
-        grammar_backend=GuidanceBackend(tokenizer, mcfg.vocab_size),
+        grammar_backend=GuidanceBackend(tokenizer, mcfg.vocab_size, bool(
+            (config.structured_outputs_config or {}).get("disable_any_whitespace", False))),
         eos_token_ids=eos_token_ids, output_processor=OutputProcessor(tokenizer, eos_token_ids, max_model_len),
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,

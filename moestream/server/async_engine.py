@@ -301,12 +301,17 @@ class AsyncLLMEngine:
     def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
                   requested_max_tokens: int | None = None) -> list[ProcessedPrompt]:
         """(tokenizer thread) Each item's prompt as a `ProcessedPrompt` (validated and tokenized once)
-        (images preprocessed here too, off the engine thread).
+        (images preprocessed here too, off the engine thread). Structured-output constraints
+        are compiled here too, so that the engine thread finds them cached.
 
         Raises:
             ValueError: a prompt the input processor rejects, or one that leaves fewer than
-                `requested_max_tokens` output tokens under max_model_len.
+                `requested_max_tokens` output tokens under max_model_len; a constraint that
+                does not compile.
         """
+        for _, _, params in items:
+            if params.structured_outputs is not None:
+                self.engine.grammar_backend.compile(params.structured_outputs)
         out: list[ProcessedPrompt] = []
         seen: dict[int, ProcessedPrompt] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moestream.structured_output.params import StructuredOutputsParams
+
 MAX_N = 128  # the most choices one request may ask for
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit, and the engine's default max_logprobs
 
@@ -44,8 +46,42 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema` (OpenAI): the schema under `schema`, a `name`, `strict`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` extra field: exactly one of `json` (a schema), `regex`,
+    `choice`, `grammar` (Lark or GBNF), `json_object`; `disable_any_whitespace`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingRequest(_Request):
-    """Fields common to completions and chat completions."""
+    """Fields common to completions and chat completions. A constraint comes from one of
+    `response_format` (json_object, json_schema), vLLM's `structured_outputs`, or its older
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (accepted as aliases)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -68,6 +104,12 @@ class SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -76,6 +118,40 @@ class SamplingRequest(_Request):
             if not key.strip().lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys must be token ids written as integers, got {key!r}")
         return v
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint as `StructuredOutputsParams`, or None.
+
+        Raises:
+            ParamError: constraints from several fields, a json_schema format without a
+                schema, or a `structured_outputs` with none or several constraints.
+        """
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        try:
+            if rf is not None and rf.type == "json_object":
+                found.append(("response_format", StructuredOutputsParams(json_object=True)))
+            elif rf is not None and rf.type == "json_schema":
+                if rf.json_schema is None or rf.json_schema.json_schema is None:
+                    raise ParamError("response_format.json_schema",
+                                     "response_format of type json_schema needs json_schema.schema")
+                found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+            so = self.structured_outputs
+            if so is not None:
+                found.append(("structured_outputs", StructuredOutputsParams(
+                    json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                    json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)))
+            for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                               ("guided_grammar", "grammar")):
+                if getattr(self, name) is not None:
+                    found.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
+        except ParamError:
+            raise
+        except ValueError as e:
+            raise ParamError("structured_outputs", str(e)) from None
+        if len(found) > 1:
+            raise ParamError(found[1][0], f"give one constraint; got {', '.join(name for name, _ in found)}")
+        return found[0][1] if found else None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """`logit_bias` with integer token ids and each bias clamped to [-100, 100] (OpenAI's
@@ -100,6 +176,7 @@ class SamplingRequest(_Request):
             raise ParamError("stream_options", "stream_options is only allowed with stream: true")
         if self.stream and self.prompt_logprobs is not None:  # vLLM's check and wording
             raise ParamError("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+        self.structured_outputs_params()  # a constraint that cannot be built is a 400 now
         return self
 
 
@@ -185,7 +262,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -194,13 +270,6 @@ class ChatCompletionRequest(SamplingRequest):
     def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
         if v:
             raise ValueError("tools are not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return v
 
     @model_validator(mode="after")

@@ -200,6 +200,7 @@ class OpenAIServing:
                 logprobs=logprobs,
                 prompt_logprobs=req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 logit_bias=req.logit_bias_ids(),
+                structured_outputs=req.structured_outputs_params(),
                 skip_special_tokens=req.skip_special_tokens,
             )
         except ValueError as e:

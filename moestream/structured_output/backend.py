@@ -3,6 +3,7 @@ second backend (xgrammar, outlines-core) is one file implementing these two prot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -15,6 +16,11 @@ class GrammarMatcher(Protocol):
 
     def mask_logits(self, row: torch.Tensor) -> None:
         """Set the logits of the tokens forbidden next to -inf, in place. row: [V] float32."""
+
+    @staticmethod
+    def mask_rows(matchers: "Sequence[GrammarMatcher]", logits: torch.Tensor, rows: Sequence[int]) -> None:
+        """`mask_logits` of rows[i] by matchers[i], for several rows at once (matchers of one
+        backend). logits: [B, V] float32, in place."""
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (state unchanged) when the grammar forbids it."""

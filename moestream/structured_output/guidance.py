@@ -2,24 +2,31 @@
 vllm/v1/structured_output/backend_guidance.py, is the model followed).
 
 Chosen over xgrammar by install weight: llguidance is one 3 MB wheel with no dependencies,
-where xgrammar needs triton on x86-64 Linux (hundreds of MB). Its mask costs about 10-70 us
-per token on the demo model's 8,192-token vocabulary (docs/structured_outputs.md).
+where xgrammar needs triton on x86-64 Linux (hundreds of MB). Its mask times are in
+docs/performance.md ("Structured outputs").
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moestream.kernels.build import load_cpu_kernels
+from moestream.kernels.sampling import apply_token_bitmask
 from moestream.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# Bit positions of a 32-bit bitmask word.
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 # Compiled grammars kept per engine (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
 
@@ -43,8 +50,9 @@ class GuidanceMatcher:
         vocab_size: the model's logits width (may exceed the tokenizer's).
     """
 
-    def __init__(self, llg: Any, matcher: Any, vocab_size: int, tokenizer_vocab: int) -> None:
+    def __init__(self, llg: Any, matcher: Any, vocab_size: int, tokenizer_vocab: int, executor: Any) -> None:
         self._llg = llg
+        self._executor = executor  # the backend's llguidance thread pool (batched masks)
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._tokenizer_vocab = tokenizer_vocab
@@ -56,9 +64,37 @@ class GuidanceMatcher:
         row: [V] float32, the model's logits of one sampling row.
         """
         self._llg.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        view = row[: self._tokenizer_vocab].unsqueeze(0)  # [1, tokenizer V]
-        self._llg.torch.apply_token_bitmask_inplace(view, self._bitmask)
+        # bit j of word w allows token 32 w + j (llguidance's layout); unpacked here in torch
+        # (llguidance's own apply is a TorchScript function, compiled for seconds on first use)
+        allowed = ((self._bitmask[0, :, None] >> _SHIFTS) & 1).bool().flatten()[: self._tokenizer_vocab]  # [V_tok]
+        row[: self._tokenizer_vocab].masked_fill_(~allowed.to(row.device), float("-inf"))
         row[self._tokenizer_vocab:] = float("-inf")  # padding rows of the embedding: never text
+
+    @staticmethod
+    def mask_rows(matchers: "Sequence[GuidanceMatcher]", logits: torch.Tensor, rows: Sequence[int]) -> None:
+        """`mask_logits` for several rows at once: the masks computed in parallel by
+        llguidance's executor (its threads, the GIL released), unpacked and applied in one
+        pass. Equal to calling `mask_logits` per row.
+
+        logits: [B, V] float32, modified in place; rows[i]: matchers[i]'s row.
+        """
+        if not matchers:
+            return
+        first = matchers[0]
+        llg, vocab = first._llg, first._tokenizer_vocab
+        bitmask = llg.torch.allocate_token_bitmask(len(matchers), vocab)  # [R, ceil(V_tok / 32)] int32
+        llg.torch.fill_next_token_bitmask_par(first._executor, [(m._matcher, i) for i, m in enumerate(matchers)],
+                                              bitmask)
+        index = torch.tensor(list(rows), dtype=torch.long)
+        if logits.device.type == "cpu" and load_cpu_kernels():  # in place, a word of 32 tokens at a time
+            apply_token_bitmask(logits, bitmask, index, vocab)
+            return
+        allowed = ((bitmask[:, :, None] >> _SHIFTS) & 1).bool().flatten(1)[:, :vocab]  # [R, V_tok]
+        index = index.to(logits.device)
+        part = logits.index_select(0, index)  # [R, V]
+        part[:, :vocab].masked_fill_(~allowed.to(logits.device), float("-inf"))
+        part[:, vocab:] = float("-inf")
+        logits.index_copy_(0, index, part)
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar does not allow it (the state is unchanged)."""
@@ -78,25 +114,41 @@ class GuidanceBackend:
     """Compiles `StructuredOutputsParams` with llguidance (once per key, LRU-cached) and makes
     per-request matchers.
 
+    The server compiles on its tokenizer thread and the engine thread then finds the grammar
+    cached: the cache is guarded by a lock, a compile is not (two threads may compile one key).
+
     Args:
         tokenizer: the model's HF tokenizer.
         vocab_size: the model's logits width.
+        disable_any_whitespace: every JSON constraint compact (the engine's
+            `structured_outputs_config`), whatever the request says.
 
     Raises:
         ValueError: (on first use) llguidance is not installed.
     """
 
-    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int,
+                 disable_any_whitespace: bool = False) -> None:
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
         self._llg: Any = None
         self._tokenizer: Any = None
+        self._executor: Any = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _ready(self) -> Any:
-        if self._llg is None:
-            self._llg = _import_llguidance()
-            self._tokenizer = self._llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=None)
+        with self._lock:
+            if self._llg is None:
+                llg = _import_llguidance()
+                self._tokenizer = llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=None)
+                # llguidance's first mask sets up its token trie (seconds on a large vocabulary):
+                # pay it here, where the server compiles (its tokenizer thread), not in a step
+                warm = llg.LLMatcher(self._tokenizer, llg.LLMatcher.grammar_from_regex("a"), log_level=1)
+                llg.torch.fill_next_token_bitmask(warm, llg.torch.allocate_token_bitmask(1, self._tokenizer.vocab_size), 0)
+                self._executor = llg.LLExecutor()
+                self._llg = llg
         return self._llg
 
     def compile(self, params: StructuredOutputsParams) -> str:
@@ -107,10 +159,13 @@ class GuidanceBackend:
                 with `structured_outputs.<kind>` and gives the compiler's reason.
         """
         llg = self._ready()
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            params = replace(params, disable_any_whitespace=True)
         key = params.key
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         kind = params.kind
         any_to_lark, GbnfToLarkError = llg.gbnf_to_lark.any_to_lark, llg.gbnf_to_lark.GbnfToLarkError
         flexible = not params.disable_any_whitespace
@@ -132,9 +187,10 @@ class GuidanceBackend:
         error = llg.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValueError(f"structured_outputs.{kind} does not compile: {' '.join(error.split())[:500]}")
-        self._cache[key] = grammar
-        if len(self._cache) > GRAMMAR_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = grammar
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
         return grammar
 
     def matcher(self, params: StructuredOutputsParams | None) -> GuidanceMatcher | None:
@@ -148,4 +204,4 @@ class GuidanceBackend:
         grammar = self.compile(params)
         llg = self._llg
         return GuidanceMatcher(llg, llg.LLMatcher(self._tokenizer, grammar, log_level=1), self.vocab_size,
-                               self._tokenizer.vocab_size)
+                               self._tokenizer.vocab_size, self._executor)
