@@ -206,3 +206,50 @@ def test_token_bitmask_kernel_and_torch_fallback_equal_a_reference(monkeypatch: 
         got = logits.clone()
         guidance.GuidanceMatcher.mask_rows(matchers, got, rows)
         assert torch.equal(got, expected), f"kernels={kernels}"
+
+
+# ---- speculative decoding --------------------------------------------------------------------
+
+
+def test_constrained_outputs_with_ngram_speculation_equal_speculation_off() -> None:
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=SO(json=SCHEMA,
+                                                                                  disable_any_whitespace=True)),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs=SO(regex=r"(ab|cd){1,12}")),
+              SamplingParams(temperature=0, max_tokens=24)]
+    prompts = ["def parse(path):", "x = 'abab", "import os\nimport os\nimport"]
+    off = [o.outputs[0].text for o in LLM(demo_model_path(), dtype="float32", max_model_len=256).generate(
+        prompts, params)]
+    spec = LLM(demo_model_path(), dtype="float32", max_model_len=256,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    assert [o.outputs[0].text for o in spec.generate(prompts, params)] == off
+    assert spec.spec_decode_stats()["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("right", [0, 2])
+def test_drafts_the_grammar_forbids_are_rejected_with_exact_counts(right: int) -> None:
+    """A test drafter proposes the constrained greedy output's next `right` tokens, then a
+    token the regex forbids (a letter where only digits may come). The output is unchanged,
+    and each drafted step accepts exactly min(right, its drafts)."""
+    from scripted_proposer import ScriptedProposer
+
+    k, max_tokens = 3, 12
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            structured_outputs=SO(regex=r"[0-9]{40}"))
+    base = LLM(demo_model_path(), dtype="float32", max_model_len=256)
+    prompt = base.get_tokenizer().encode("n = ")
+    ref = base.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+    letter = base.get_tokenizer().encode("x")[0]
+
+    class ForbiddenDrafts(ScriptedProposer):
+        def propose(self, token_ids: list[int], k: int) -> list[int]:
+            right_part = super().propose(token_ids, k)[: self.right(0, len(token_ids) - len(prompt))]
+            return (right_part + [letter] * k)[:k]
+
+    llm = LLM(demo_model_path(), dtype="float32", max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False})
+    drafter = ForbiddenDrafts([(prompt, ref)], lambda i, n: right, llm.llm_engine.model_config.vocab_size)
+    llm.llm_engine.proposer = drafter
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0]
+    assert out.token_ids == ref and re.fullmatch("[0-9]+", out.text)
+    stats = llm.spec_decode_stats()
+    assert (stats["num_drafts"], stats["num_accepted_tokens"]) == drafter.expected(0, max_tokens, k)

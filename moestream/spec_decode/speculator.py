@@ -75,8 +75,6 @@ class Speculator:
         adaptive k at most its current draft length (`AdaptiveK`), where length 0 sets a
         one-token shadow draft (n-gram, which costs nothing) to keep its acceptance measured."""
         sc = self.config
-        if req.grammar is not None:  # constrained requests do not draft (yet): no grammar rollback
-            return 0
         room = min(sc.num_speculative_tokens, self.max_model_len - req.num_tokens - 1)
         if req.sampling_params.max_tokens is not None:
             room = min(room, req.sampling_params.max_tokens - req.num_output_tokens - 1)

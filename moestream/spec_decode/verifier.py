@@ -5,6 +5,11 @@ Each output token is still the target model's own sample, drawn one position at 
 the request's generator as without drafts: greedy output is exact, and so is the sampled
 distribution. This is speculative decoding's verification (Leviathan et al. 2023, arXiv
 2211.17192) for a draft that is one fixed token per position.
+
+Structured outputs: row j is sampled after the tokens before it were appended, so its
+grammar mask is the one of the grammar advanced by those tokens. A draft the grammar forbids
+can never equal the sample, so it is rejected, and a rejected draft never reached the
+grammar: nothing has to be rolled back.
 """
 
 from __future__ import annotations
