@@ -14,13 +14,10 @@ from moestream.structured_output.params import StructuredOutputsParams
 class GrammarMatcher(Protocol):
     """One request's grammar state."""
 
-    def mask_logits(self, row: torch.Tensor) -> None:
-        """Set the logits of the tokens forbidden next to -inf, in place. row: [V] float32."""
-
     @staticmethod
     def mask_rows(matchers: "Sequence[GrammarMatcher]", logits: torch.Tensor, rows: Sequence[int]) -> None:
-        """`mask_logits` of rows[i] by matchers[i], for several rows at once (matchers of one
-        backend). logits: [B, V] float32, in place."""
+        """Set the logits of the tokens matchers[i] forbids next to -inf in row rows[i], in
+        place (matchers of one backend). logits: [B, V] float32."""
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False (state unchanged) when the grammar forbids it."""

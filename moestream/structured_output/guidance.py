@@ -56,27 +56,15 @@ class GuidanceMatcher:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._tokenizer_vocab = tokenizer_vocab
-        self._bitmask = llg.torch.allocate_token_bitmask(1, tokenizer_vocab)  # [1, ceil(V / 32)] int32
-
-    def mask_logits(self, row: torch.Tensor) -> None:
-        """Set the logits of the tokens the grammar forbids next to -inf, in place.
-
-        row: [V] float32, the model's logits of one sampling row.
-        """
-        self._llg.torch.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        # bit j of word w allows token 32 w + j (llguidance's layout); unpacked here in torch
-        # (llguidance's own apply is a TorchScript function, compiled for seconds on first use)
-        allowed = ((self._bitmask[0, :, None] >> _SHIFTS) & 1).bool().flatten()[: self._tokenizer_vocab]  # [V_tok]
-        row[: self._tokenizer_vocab].masked_fill_(~allowed.to(row.device), float("-inf"))
-        row[self._tokenizer_vocab:] = float("-inf")  # padding rows of the embedding: never text
 
     @staticmethod
     def mask_rows(matchers: "Sequence[GuidanceMatcher]", logits: torch.Tensor, rows: Sequence[int]) -> None:
-        """`mask_logits` for several rows at once: the masks computed in parallel by
-        llguidance's executor (its threads, the GIL released), unpacked and applied in one
-        pass. Equal to calling `mask_logits` per row.
+        """Set to -inf, in place, the logits of the tokens each matcher's grammar forbids next
+        (and every logit past the tokenizer's vocabulary) in its row. The masks are computed
+        in one call by llguidance's executor (its threads, the GIL released), then applied by
+        the CPU bitmask kernel, or in torch without it.
 
-        logits: [B, V] float32, modified in place; rows[i]: matchers[i]'s row.
+        logits: [B, V] float32; rows[i]: matchers[i]'s row.
         """
         if not matchers:
             return
