@@ -148,8 +148,14 @@ class EngineConfig:
         parse=parse_json_object, metavar="JSON", default_help="off")
     structured_outputs_config: dict | None = option(
         None, 'structured outputs, as vLLM: \'{"backend": "guidance", "disable_any_whitespace": true}\'; '
-              'disable_any_whitespace makes every JSON constraint compact (a request can also ask for it)',
+              'disable_any_whitespace makes every JSON constraint compact (a request can also ask for it); '
+              'compile_timeout: seconds the server waits for a grammar to compile (default 10), then a 400',
         parse=parse_json_object, metavar="JSON", default_help="guidance, whitespace allowed")
+    reasoning_parser: str | None = option(
+        None, "the model's reasoning format, as vLLM: qwen3, deepseek_r1 (<think> opened by the template), glm45 "
+              "(<think> written by the model), openai_gptoss (harmony's analysis channel); the server returns the "
+              "thinking as reasoning_content, and constraints apply only after the reasoning ends",
+        choices=("qwen3", "deepseek_r1", "glm45", "openai_gptoss"), default_help="none")
     threads: int | str | None = option(
         "auto", "torch intra-op threads of this process: N, or auto = on CPU the cores this process may use "
                 "(affinity and cgroup quota; serve keeps one for its HTTP event loop), fewer under load, at "
@@ -259,11 +265,14 @@ class EngineConfig:
                 # keeps the drafted (so the verified) tokens a function of the request alone.
                 object.__setattr__(self, "speculative_config", replace(self.speculative_config, adaptive=False))
         so = self.structured_outputs_config
-        if so is not None and not (isinstance(so, dict) and set(so) <= {"backend", "disable_any_whitespace"}
-                                   and so.get("backend", "guidance") in ("auto", "guidance")
-                                   and isinstance(so.get("disable_any_whitespace", False), bool)):
-            raise ValueError(f"structured_outputs_config takes backend ('auto' or 'guidance') and "
-                             f"disable_any_whitespace (true/false); got {so!r}")
+        timeout = so.get("compile_timeout", 1.0) if isinstance(so, dict) else 1.0
+        if so is not None and not (
+                isinstance(so, dict) and set(so) <= {"backend", "disable_any_whitespace", "compile_timeout"}
+                and so.get("backend", "guidance") in ("auto", "guidance")
+                and isinstance(so.get("disable_any_whitespace", False), bool)
+                and isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"structured_outputs_config takes backend ('auto' or 'guidance'), "
+                             f"disable_any_whitespace (true/false) and compile_timeout (seconds > 0); got {so!r}")
         if self.limit_mm_per_prompt is not None:
             lim = self.limit_mm_per_prompt
             if not isinstance(lim, dict) or any(k not in ("image", "video") or not is_int(v) or v < 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,6 +27,7 @@ from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.quantization.registry import make_quant_method
+from moestream.reasoning import get_reasoning_parser
 from moestream.generation_config import default_sampling_fields
 from moestream.kernels.build import load_cpu_kernels
 from moestream.layers.attention_backend import TorchAttentionBackend
@@ -46,7 +48,9 @@ from moestream.multimodal.vision import load_vision_encoder
 from moestream.sampler import Sampler
 from moestream.spec_decode.mtp import load_mtp
 from moestream.spec_decode.speculator import Speculator
+from moestream.structured_output.backend import GrammarBackend
 from moestream.structured_output.guidance import GuidanceBackend
+from moestream.structured_output.reasoning_gate import ReasoningGatedBackend
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     sampler: Sampler
-    grammar_backend: GuidanceBackend
+    grammar_backend: GrammarBackend
     eos_token_ids: frozenset[int]
     output_processor: OutputProcessor
     speculator: Speculator | None
@@ -234,12 +238,21 @@ def build_engine(config: EngineConfig) -> EngineParts:
         expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
         coordinator=coordinator, scheduler=scheduler, runner=runner,
         sampler=Sampler(config.seed, device, argmax_kernel=fused_moe or paged_attention),
-        grammar_backend=GuidanceBackend(tokenizer, mcfg.vocab_size, bool(
-            (config.structured_outputs_config or {}).get("disable_any_whitespace", False))),
+        grammar_backend=make_grammar_backend(config, tokenizer, mcfg.vocab_size),
         eos_token_ids=eos_token_ids, output_processor=OutputProcessor(tokenizer, eos_token_ids, max_model_len),
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,
     )
+
+
+def make_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int) -> GrammarBackend:
+    """The structured-outputs backend (llguidance); with a `reasoning_parser`, its matchers wait
+    for the end of the reasoning."""
+    backend: GrammarBackend = GuidanceBackend(tokenizer, vocab_size, bool(
+        (config.structured_outputs_config or {}).get("disable_any_whitespace", False)))
+    if config.reasoning_parser is not None:
+        backend = ReasoningGatedBackend(backend, tokenizer, get_reasoning_parser(config.reasoning_parser))
+    return backend
 
 
 def use_cpu_kernel(choice: str, flag: str, kernel: str, device: torch.device, dtype: torch.dtype,

@@ -70,9 +70,7 @@ class LLMEngine:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
                 leaves no room for output under max_model_len, or an unknown prompt type.
         """
-        if isinstance(prompt, ProcessedPrompt):
-            return prompt
-        return ProcessedPrompt(*self.input_processor.process(prompt))
+        return prompt if isinstance(prompt, ProcessedPrompt) else ProcessedPrompt(*self.input_processor.process(prompt))
 
     def add_request(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -88,7 +86,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
         req = Request(request_id, p.prompt, p.prompt_token_ids, params, generator=make_generator(params.seed, self.device),
-                      mm_inputs=p.mm_inputs, grammar=self.grammar_backend.matcher(params.structured_outputs))
+                      mm_inputs=p.mm_inputs, grammar=self.grammar_backend.matcher(params.structured_outputs,
+                                                                                  p.prompt_token_ids))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)

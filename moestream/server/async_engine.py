@@ -40,12 +40,16 @@ from moestream.engine.llm_engine import LLMEngine, PromptType
 from moestream.engine.request import ProcessedPrompt
 from moestream.outputs import RequestOutput
 from moestream.sampling_params import SamplingParams
+from moestream.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+COMPILE_THREADS = 2  # grammar compiles at once; more wait (and their timeout runs while they wait)
+DEFAULT_COMPILE_TIMEOUT = 10.0  # seconds a request waits for its grammar to compile
 
 
 class EngineError(RuntimeError):
@@ -207,6 +211,11 @@ class AsyncLLMEngine:
         self.input_processor = InputProcessor(copy.deepcopy(engine.tokenizer), engine.model_config.vocab_size,
                                               engine.max_model_len, engine.mm_processor)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
+        # Grammars compile on their own threads, each waited for at most compile_timeout:
+        # a pathological schema never holds up other requests' tokenizing.
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="moestream-grammar")
+        self.compile_timeout = float((engine.config.structured_outputs_config or {}).get(
+            "compile_timeout", DEFAULT_COMPILE_TIMEOUT))
 
     @property
     def tokenizer(self) -> "PreTrainedTokenizerBase":
@@ -243,6 +252,7 @@ class AsyncLLMEngine:
         self._inbox.put(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         for stream in set(self._streams.values()):
             stream._put(EngineError("the server is shutting down"))
         self._streams.clear()
@@ -275,6 +285,8 @@ class AsyncLLMEngine:
         self.num_queued += len(stream.request_ids)
         try:
             loop = asyncio.get_running_loop()
+            await self._compile({params.structured_outputs.key: params.structured_outputs
+                                 for _, _, params in items if params.structured_outputs is not None})
             prompts = await loop.run_in_executor(self._tokenize_pool, self._tokenize, list(items), add_special_tokens,
                                                  requested_max_tokens)
             if not self.is_running:
@@ -298,20 +310,32 @@ class AsyncLLMEngine:
             raise
         return stream
 
+    async def _compile(self, constraints: dict[str, StructuredOutputsParams]) -> None:
+        """Compile `constraints` (by key) on the grammar threads, so that the engine thread
+        finds them cached.
+
+        Raises:
+            ValueError: a constraint that does not compile, or not within `compile_timeout`
+                seconds (its compile goes on, and caches it, in the background).
+        """
+        loop = asyncio.get_running_loop()
+        for so in constraints.values():
+            try:
+                await asyncio.wait_for(loop.run_in_executor(self._compile_pool, self.engine.grammar_backend.compile, so),
+                                       self.compile_timeout)
+            except TimeoutError:
+                raise ValueError(f"structured_outputs.{so.kind} did not compile within {self.compile_timeout:g} s; "
+                                 "simplify it, or raise compile_timeout in --structured-outputs-config") from None
+
     def _tokenize(self, items: list[tuple[str, PromptType, SamplingParams]], add_special_tokens: bool,
                   requested_max_tokens: int | None = None) -> list[ProcessedPrompt]:
         """(tokenizer thread) Each item's prompt as a `ProcessedPrompt` (validated and tokenized once)
-        (images preprocessed here too, off the engine thread). Structured-output constraints
-        are compiled here too, so that the engine thread finds them cached.
+        (images preprocessed here too, off the engine thread).
 
         Raises:
             ValueError: a prompt the input processor rejects, or one that leaves fewer than
-                `requested_max_tokens` output tokens under max_model_len; a constraint that
-                does not compile.
+                `requested_max_tokens` output tokens under max_model_len.
         """
-        for _, _, params in items:
-            if params.structured_outputs is not None:
-                self.engine.grammar_backend.compile(params.structured_outputs)
         out: list[ProcessedPrompt] = []
         seen: dict[int, ProcessedPrompt] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:

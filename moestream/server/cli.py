@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="directory whose files file:// image URLs may name (default: no local files)")
     srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info: tokenizer class, special tokens, chat template (default: off)")
+    srv.add_argument("--tool-call-parser", default=None,
+                     choices=["hermes", "deepseek_v3", "glm45", "kimi_k2", "openai"],
+                     help="the model's tool-call format, read under tool_choice 'auto': hermes (Qwen2.5/Qwen3 and "
+                          "their MoE models), deepseek_v3, glm45, kimi_k2, openai (gpt-oss) (default: none)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="allow tool_choice 'auto' (the default when a request has tools); needs --tool-call-parser "
+                          "(default: off; 'required' and named functions always work)")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log one line per request: method, path, status, request id, prompt and output tokens, "
                           "latency (default: off)")
@@ -261,7 +268,9 @@ def _serve(args: argparse.Namespace) -> int:
                               engine_threads=threads, enable_log_requests=args.enable_log_requests,
                               allowed_media_domains=tuple(args.allowed_media_domains),
                               allowed_local_media_path=args.allowed_local_media_path,
-                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                              enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                              tool_call_parser=args.tool_call_parser,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice)
         if args.ray:
             return _serve_ray(args, engine_config, config)
         engine = LLMEngine(engine_config)

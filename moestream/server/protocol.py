@@ -245,35 +245,117 @@ class ImageContentPart(_Request):
 ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
 
 
+class MessageFunctionCall(_Request):
+    """A function call in an assistant message: its name and arguments (a JSON string)."""
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Request):
+    """A tool call in an assistant message of the conversation (sent back by the client)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunctionCall
+
+
 class ChatMessage(_Request):
-    """One chat message; `content` is a string or a list of text and image parts."""
+    """One chat message; `content` is a string or a list of text and image parts. An
+    assistant message may carry the `tool_calls` it made, a tool message the
+    `tool_call_id` it answers."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions; the prompt is the tokenizer's chat template over `messages`."""
+class FunctionDefinition(_Request):
+    """A function the model may call: `name`, `description`, `parameters` (a JSON schema)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Request):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    """The function of a named `tool_choice`."""
+
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """`tool_choice` naming the function to call: {"type": "function", "function": {"name"}}."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatTemplateFields(_Request):
+    """What the chat template reads: `messages`, `tools`, `chat_template_kwargs` (extra
+    template variables, e.g. {"enable_thinking": false}), and where the prompt ends."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionToolsParam] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = {"messages", "tools", "chat_template", "tokenize", "add_generation_prompt",
+                    "continue_final_message", "return_dict", "documents", "conversation"}
+        if v and reserved & set(v):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved & set(v)))}; use the "
+                             "request's own fields")
+        return v
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as plain dicts (what chat templates and parsers read), or None."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
+    """POST /v1/chat/completions; the prompt is the tokenizer's chat template over `messages`."""
+
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """`tool_choice`, or when unset OpenAI's default: "auto" with tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ParamError("tool_choice", "When using `tool_choice`, `tools` must be set.")  # vLLM's wording
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ParamError("tool_choice", f"The tool '{choice.function.name}' named in `tool_choice` is not one of "
+                                            "the `tools`.")
+        if self.tools and len({t.function.name for t in self.tools}) != len(self.tools):
+            raise ParamError("tools", "The `tools` have two functions of the same name.")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and self.structured_outputs_params():
+            raise ParamError("tool_choice", "tool_choice 'required' or a named function constrains the output to "
+                                            "the tool call; it cannot be combined with another constraint.")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.add_generation_prompt and self.continue_final_message:
@@ -291,14 +373,12 @@ class TokenizeCompletionRequest(_Request):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(_Request):
-    """POST /tokenize with chat `messages`, rendered by the chat template first (vLLM's shape;
-    special tokens come from the template, so `add_special_tokens` defaults to false)."""
+class TokenizeChatRequest(ChatTemplateFields):
+    """POST /tokenize with chat `messages` (and `tools`), rendered by the chat template first
+    (vLLM's shape; special tokens come from the template, so `add_special_tokens` defaults to
+    false)."""
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -401,11 +481,45 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A function call the model made: name and arguments (a JSON object as a string)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A tool call of the assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a function call: the name (once), then pieces of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of tool call `index`: its first piece has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
-    """The assistant message of a chat choice."""
+    """The assistant message of a chat choice: content, the reasoning (with a reasoning
+    parser) and tool calls."""
 
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -435,6 +549,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -18,6 +18,7 @@ from moestream.outputs import RequestOutput
 from moestream.threads import resolve_threads
 from moestream.sampling_params import Logprob, SamplingParams
 from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
+from moestream.server.tool_parsers import check_tool_parser
 from moestream.server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
 
 
@@ -44,6 +45,10 @@ class ServerConfig:
             URLs may name (vLLM's flag); None (default) = no local files.
         enable_tokenizer_info_endpoint: serve GET /tokenizer_info (vLLM's flag; off by
             default, as it shows the chat template and special tokens).
+        tool_call_parser: the model's tool-call format (vLLM's `--tool-call-parser`: hermes,
+            deepseek_v3, glm45, kimi_k2, openai), read when `tool_choice` is "auto".
+        enable_auto_tool_choice: let requests use `tool_choice` "auto" (vLLM's flag; needs
+            `tool_call_parser`). "required" and named functions work without either.
     """
 
     served_model_names: tuple[str, ...]
@@ -56,8 +61,15 @@ class ServerConfig:
     allowed_media_domains: tuple[str, ...] = ()
     allowed_local_media_path: str | None = None
     enable_tokenizer_info_endpoint: bool = False
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None:
+            check_tool_parser(self.tool_call_parser)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, deepseek_v3, glm45, kimi_k2 "
+                             "or openai)")
         if self.engine_threads is not None and self.engine_threads < 1:
             raise ValueError(f"engine threads must be at least 1, got {self.engine_threads}")
         if not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -12,6 +14,9 @@ from typing import Any
 import jinja2
 
 from moestream.outputs import RequestOutput
+from moestream.reasoning import get_reasoning_parser
+from moestream.sampling_params import SamplingParams
+from moestream.server.chat_output import ChatOutputParser
 from moestream.server.async_engine import AsyncLLMEngine, RequestStream
 from moestream.server.protocol import (
     ChatChoice,
@@ -24,6 +29,7 @@ from moestream.server.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     ImageContentPart,
+    NamedToolChoice,
     TopLogprob,
     random_id,
 )
@@ -37,6 +43,8 @@ from moestream.server.serving import (
     top_logprobs,
     usage,
 )
+from moestream.server.tool_parsers import NamedFunctionParser, RequiredParser, ToolParser, make_tool_parser, required_schema
+from moestream.structured_output.params import StructuredOutputsParams
 
 # Threads decoding images, and threads fetching remote ones (--allowed-media-domains).
 MEDIA_THREADS = 4
@@ -56,6 +64,22 @@ def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
                                      bytes=list((p.decoded_token or "").encode())) for _, p in top_logprobs(entry, n)],
         ))
     return ChatLogprobs(content=content)
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A message's tool-call arguments (a JSON string) as an object, when they parse."""
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _finish_reason(req: ChatCompletionRequest, reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the model stopped after calling tools on
+    its own or under "required"; a named function keeps "stop", as OpenAI and vLLM do."""
+    if called and reason == "stop" and not isinstance(req.tool_choice, NamedToolChoice):
+        return "tool_calls"
+    return reason
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -98,9 +122,14 @@ class OpenAIServingChat(OpenAIServing):
                         content.append({"type": "image"})
                     else:
                         content.append({"type": "text", "text": part.text})
-            message = {"role": m.role, "content": content}
+            message: dict[str, Any] = {"role": m.role, "content": content}
             if m.name is not None:
                 message["name"] = m.name
+            if m.tool_calls:  # arguments as objects, which templates print with tojson (as vLLM)
+                message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                    "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}} for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
         if images:
             mm = self.engine.engine.mm_processor
@@ -113,8 +142,9 @@ class OpenAIServingChat(OpenAIServing):
                                     "(--limit-mm-per-prompt).", param=images[limit][0])
         try:
             prompt = tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False,
+                messages, chat_template=template, tokenize=False, tools=req.tool_dicts(),
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
             raise APIError(400, f"The chat template could not be applied to the messages: {e}", param="messages") from None
@@ -180,12 +210,81 @@ class OpenAIServingChat(OpenAIServing):
             prompt = {"prompt": text, "multi_modal_data": {"image": images}}
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = [self.sampling_params(req, max_tokens, logprobs, i) for i in range(req.n)]
+        params = [self._tool_params(req, self.sampling_params(req, max_tokens, logprobs, i)) for i in range(req.n)]
         base = random_id("chatcmpl")
         items = [(f"{base}-{i}", prompt, params[i]) for i in range(req.n)]
         # The template writes the special tokens (BOS & co) itself.
-        stream = await self.submit(items, False, "messages", list(type(req).model_fields), max_tokens)
+        try:
+            stream = await self.submit(items, False, "messages", list(type(req).model_fields), max_tokens)
+        except APIError as e:  # a tool's parameters schema that does not compile
+            if e.param == "structured_outputs" and req.structured_outputs_params() is None:
+                raise APIError(400, f"A tool's parameters schema cannot constrain the output: {e.message}",
+                               param="tools") from None
+            raise
         return stream, base
+
+    @property
+    def reasoning_parser_name(self) -> str | None:
+        """The engine's `reasoning_parser`, or None."""
+        return self.engine.engine.config.reasoning_parser
+
+    def tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
+        """The parser of the request's tool calls: by `tool_choice`, "required" and a named
+        function read the JSON the output was constrained to, "auto" uses the server's
+        --tool-call-parser; None without tools or with "none".
+
+        Raises:
+            APIError: 400 for "auto" on a server without --enable-auto-tool-choice.
+        """
+        choice = req.effective_tool_choice
+        if not req.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return NamedFunctionParser(choice.function.name)
+        if choice == "required":
+            return RequiredParser()
+        if not self.config.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set (or send tool_choice \"none\", \"required\" or a named function).",
+                           param="tool_choice")
+        return make_tool_parser(self.config.tool_call_parser, req.tool_dicts())
+
+    def output_parser(self, req: ChatCompletionRequest, out: RequestOutput) -> ChatOutputParser | None:
+        """A parser of one choice's output, or None when neither a reasoning parser nor
+        tools are in play (the text is the content as it is). A prompt that closed the
+        reasoning (thinking turned off in the template) has no reasoning to parse."""
+        tools = self.tool_parser(req)
+        name = self.reasoning_parser_name
+        reasoning = get_reasoning_parser(name) if name is not None else None
+        prompt = out.prompt if isinstance(out.prompt, str) else (out.prompt or {}).get("prompt", "")
+        if reasoning is not None and reasoning.ended_in(prompt):
+            reasoning = None
+        if tools is None and reasoning is None:
+            return None
+        return ChatOutputParser(reasoning, tools)
+
+    def _tool_params(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
+        """`params` with what tools and reasoning need: the output constrained to the call
+        ("required": an array of calls; a named function: its parameters), special tokens
+        kept where a parser reads them as markers.
+
+        Raises:
+            APIError: as `tool_parser`.
+        """
+        choice = req.effective_tool_choice
+        tools = req.tool_dicts()
+        so = params.structured_outputs
+        if tools and choice == "required":
+            so = StructuredOutputsParams(json=required_schema(tools, req.parallel_tool_calls is not False))
+        elif tools and isinstance(choice, NamedToolChoice):
+            fn = next(t["function"] for t in tools if t["function"]["name"] == choice.function.name)
+            so = StructuredOutputsParams(json=fn.get("parameters") or {"type": "object"})
+        parser = self.tool_parser(req)
+        keep_special = self.reasoning_parser_name is not None or (parser is not None and parser.needs_special_tokens)
+        if so is params.structured_outputs and not keep_special:
+            return params
+        return dataclasses.replace(params, structured_outputs=so,
+                                   skip_special_tokens=params.skip_special_tokens and not keep_special)
 
     async def respond(self, req: ChatCompletionRequest, stream: RequestStream, base: str) -> ChatCompletionResponse:
         """Wait for every choice and build the response."""
@@ -194,9 +293,14 @@ class OpenAIServingChat(OpenAIServing):
         for i, rid in enumerate(stream.request_ids):
             out = final[rid]
             c = out.outputs[0]
+            message, finish_reason = ChatResponseMessage(content=c.text), c.finish_reason
+            parser = self.output_parser(req, out)
+            if parser is not None:
+                m, calls = parser.whole(c.text)
+                message = ChatResponseMessage(content=m.content, reasoning_content=m.reasoning, tool_calls=calls)
+                finish_reason = _finish_reason(req, c.finish_reason, bool(calls))
             choices.append(ChatChoice(
-                index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+                index=i, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
                 logprobs=_logprobs(out, 0, req.top_logprobs or 0) if req.logprobs else None,
             ))
         first = final[stream.request_ids[0]]  # every choice has the same prompt
@@ -220,17 +324,33 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         sent_text = dict.fromkeys(stream.request_ids, 0)
         sent_tokens = dict.fromkeys(stream.request_ids, 0)
+        parsers: dict[str, ChatOutputParser | None] = {}
+        called = dict.fromkeys(stream.request_ids, False)
         final: dict[str, RequestOutput] = {}
         async for out in stream:
             rid, c = out.request_id, out.outputs[0]
             delta = c.text[sent_text[rid]:]
             if not delta and not out.finished:
                 continue  # held back (a possible stop string): nothing to send yet
+            if rid not in parsers:
+                parsers[rid] = self.output_parser(req, out)
+            parser, finish_reason = parsers[rid], c.finish_reason
+            if parser is None:
+                message = DeltaMessage(content=delta)
+            else:
+                d = parser.delta(c.text, out.finished)
+                called[rid] = called[rid] or bool(d.tool_calls)
+                if not (d.content or d.reasoning or d.tool_calls or out.finished or req.logprobs):
+                    continue  # a marker or a partial call: nothing to send yet
+                message = DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
+                                       tool_calls=d.tool_calls or None)
+                if out.finished:
+                    finish_reason = _finish_reason(req, c.finish_reason, called[rid])
             lp = _logprobs(out, sent_tokens[rid], req.top_logprobs or 0) if req.logprobs else None
             sent_text[rid] += len(delta)
             sent_tokens[rid] = len(c.token_ids)
-            yield chunk([ChatStreamChoice(index=index[rid], delta=DeltaMessage(content=delta), logprobs=lp,
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            yield chunk([ChatStreamChoice(index=index[rid], delta=message, logprobs=lp,
+                                          finish_reason=finish_reason, stop_reason=c.stop_reason)])
             if out.finished:
                 final[rid] = out
         if req.stream_options is not None and req.stream_options.include_usage:

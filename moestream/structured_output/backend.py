@@ -36,5 +36,7 @@ class GrammarBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled grammar. Raises ValueError naming `structured_outputs.<kind>`."""
 
-    def matcher(self, params: StructuredOutputsParams | None) -> GrammarMatcher | None:
-        """A fresh matcher for one request; None without `params`."""
+    def matcher(self, params: StructuredOutputsParams | None,
+                prompt_token_ids: Sequence[int] = ()) -> GrammarMatcher | None:
+        """A fresh matcher for one request (its prompt's token ids given); None without
+        `params`."""

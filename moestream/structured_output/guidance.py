@@ -181,8 +181,10 @@ class GuidanceBackend:
                 self._cache.popitem(last=False)
         return grammar
 
-    def matcher(self, params: StructuredOutputsParams | None) -> GuidanceMatcher | None:
-        """A fresh matcher for one request (None without `params`).
+    def matcher(self, params: StructuredOutputsParams | None,
+                prompt_token_ids: Sequence[int] = ()) -> GuidanceMatcher | None:
+        """A fresh matcher for one request (None without `params`); `prompt_token_ids`
+        are not used.
 
         Raises:
             ValueError: as `compile`.
