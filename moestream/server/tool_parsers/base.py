@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 from moestream.reasoning.parser import partial_suffix
@@ -59,6 +60,29 @@ def no_calls(text: str, marker: str, final: bool) -> ToolParse:
     """The parse of a text without tool calls: all content, less (while streaming) a suffix
     that may still become `marker`, the start of the calls."""
     return ToolParse(text if final else text[:len(text) - partial_suffix(text, (marker,))])
+
+
+def parse_blocks(text: str, first: int, begin: str, end: str, final: bool,
+                 read: Callable[[str, bool], ToolCallPart | None]) -> ToolParse:
+    """The calls of the `begin`...`end` blocks from `text[first:]`, the content being
+    `text[:first]`. `read(block, done)` reads one block's inside (`done`: it is closed or the
+    output is whole) and returns None when it is malformed (done) or names no function yet.
+    A malformed block makes a whole output all content; while streaming, parsing stops there.
+    """
+    calls: list[ToolCallPart] = []
+    i = text.find(begin, first)
+    while i >= 0:
+        close = text.find(end, i + len(begin))
+        done = close >= 0 or final
+        call = read(text[i + len(begin):close if close >= 0 else len(text)], done)
+        if call is None and done and final:
+            return ToolParse(text)  # not a well-formed call: all content, as vLLM
+        if call is not None:
+            calls.append(call)
+        if call is None or close < 0:
+            break
+        i = text.find(begin, close + len(end))
+    return ToolParse(text[:first], tuple(calls))
 
 
 def scan_object(s: str, start: int = 0) -> tuple[dict[str, tuple[int, int, bool]], int | None]:

@@ -12,7 +12,7 @@ between its "```json" line and the closing fence, as the model wrote it.
 from __future__ import annotations
 
 from moestream.reasoning.parser import partial_suffix
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -28,24 +28,15 @@ class DeepSeekV3ToolParser:
         first = text.find(CALLS_BEGIN)
         if first < 0:
             return no_calls(text, CALLS_BEGIN, final)
-        calls = []
-        i = text.find(CALL_BEGIN, first)
-        while i >= 0:
-            close = text.find(CALL_END, i)
-            block = text[i + len(CALL_BEGIN):close if close >= 0 else len(text)]
-            sep = block.find(SEP)
-            fence = block.find(FENCE_OPEN, sep + 1) if sep >= 0 else -1
-            if close >= 0 or final:
-                if sep < 0 or fence < 0 or not block.endswith(FENCE_CLOSE):
-                    if final:
-                        return ToolParse(text)
-                    break
-                calls.append(ToolCallPart(block[sep + len(SEP):fence], block[fence + len(FENCE_OPEN):-len(FENCE_CLOSE)]))
-            else:
-                if fence >= 0:
-                    args = block[fence + len(FENCE_OPEN):]
-                    calls.append(ToolCallPart(block[sep + len(SEP):fence],
-                                              args[:len(args) - partial_suffix(args, (FENCE_CLOSE + CALL_END,))]))
-                break
-            i = text.find(CALL_BEGIN, close)
-        return ToolParse(text[:first], tuple(calls))
+        return parse_blocks(text, first, CALL_BEGIN, CALL_END, final, self._read)
+
+    @staticmethod
+    def _read(block: str, done: bool) -> ToolCallPart | None:
+        sep = block.find(SEP)
+        fence = block.find(FENCE_OPEN, sep + 1) if sep >= 0 else -1
+        if fence < 0 or (done and not block.endswith(FENCE_CLOSE)):
+            return None
+        name, args = block[sep + len(SEP):fence], block[fence + len(FENCE_OPEN):]
+        if done:
+            return ToolCallPart(name, args[:-len(FENCE_CLOSE)])
+        return ToolCallPart(name, args[:len(args) - partial_suffix(args, (FENCE_CLOSE + CALL_END,))])

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
 
 START, END = "<tool_call>", "</tool_call>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -42,25 +42,14 @@ class Glm45ToolParser:
         first = text.find(START)
         if first < 0:
             return no_calls(text, START, final)
-        calls = []
-        i = first
-        while i >= 0:
-            close = text.find(END, i)
-            block = text[i + len(START):close if close >= 0 else len(text)]
-            name, newline, rest = block.partition("\n")
-            name = name.strip()
-            if close >= 0 or final:
-                if not name or "<" in name:
-                    if final:
-                        return ToolParse(text)
-                    break
-                calls.append(ToolCallPart(name, self._arguments(name, rest)))
-            else:
-                if newline and name:
-                    calls.append(ToolCallPart(name, ""))
-                break
-            i = text.find(START, close + len(END))
-        return ToolParse(text[:first], tuple(calls))
+        return parse_blocks(text, first, START, END, final, self._read)
+
+    def _read(self, block: str, done: bool) -> ToolCallPart | None:
+        name, newline, rest = block.partition("\n")
+        name = name.strip()
+        if not name or "<" in name or not (newline or done):
+            return None
+        return ToolCallPart(name, self._arguments(name, rest) if done else "")
 
     def _arguments(self, name: str, body: str) -> str:
         strings = self._string_params.get(name, set())

@@ -11,7 +11,7 @@ spacing).
 
 from __future__ import annotations
 
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, json_call
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, json_call, no_calls, parse_blocks
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -25,22 +25,11 @@ class HermesToolParser:
         first = text.find(START)
         if first < 0:
             return no_calls(text, START, final)
-        calls = []
-        i = first
-        while i >= 0:
-            body_start = i + len(START)
-            close = text.find(END, body_start)
-            name, args, end = json_call(text, body_start, ("arguments", "parameters"))
-            if close >= 0 or final:
-                if name is None or end is None or text[end:close if close >= 0 else len(text)].strip():
-                    if final:
-                        return ToolParse(text)  # not a well-formed call: all content, as vLLM
-                    break
-                calls.append(ToolCallPart(name, args))
-            elif name is not None:
-                calls.append(ToolCallPart(name, args))
-                break
-            else:
-                break
-            i = text.find(START, close + len(END)) if close >= 0 else -1
-        return ToolParse(text[:first], tuple(calls))
+        return parse_blocks(text, first, START, END, final, self._read)
+
+    @staticmethod
+    def _read(block: str, done: bool) -> ToolCallPart | None:
+        name, args, end = json_call(block, 0, ("arguments", "parameters"))
+        if done and (end is None or block[end:].strip()):
+            return None
+        return ToolCallPart(name, args) if name is not None else None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from moestream.reasoning.parser import partial_suffix
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -27,28 +27,16 @@ class KimiK2ToolParser:
         first = text.find(SECTION_BEGIN)
         if first < 0:
             return no_calls(text, SECTION_BEGIN, final)
-        calls = []
-        i = text.find(CALL_BEGIN, first)
-        while i >= 0:
-            close = text.find(CALL_END, i)
-            block = text[i + len(CALL_BEGIN):close if close >= 0 else len(text)]
-            head, found, args = block.partition(ARG_BEGIN)
-            m = _ID.match(head) if found else None
-            if close >= 0 or final:
-                if m is None:
-                    if final:
-                        return ToolParse(text)
-                    break
-                calls.append(self._call(m.group(1), args.strip()))
-            else:
-                if m is not None:  # hold back what may be the end marker or trailing spaces
-                    args = args.lstrip()
-                    args = args[:len(args) - partial_suffix(args, (CALL_END,))].rstrip()
-                    calls.append(self._call(m.group(1), args))
-                break
-            i = text.find(CALL_BEGIN, close)
-        return ToolParse(text[:first], tuple(calls))
+        return parse_blocks(text, first, CALL_BEGIN, CALL_END, final, self._read)
 
     @staticmethod
-    def _call(call_id: str, args: str) -> ToolCallPart:
+    def _read(block: str, done: bool) -> ToolCallPart | None:
+        head, found, args = block.partition(ARG_BEGIN)
+        m = _ID.match(head) if found else None
+        if m is None:
+            return None
+        args = args.strip() if done else args.lstrip()
+        if not done:  # hold back what may be the end marker, and trailing spaces (stripped at the end)
+            args = args[:len(args) - partial_suffix(args, (CALL_END,))].rstrip()
+        call_id = m.group(1)
         return ToolCallPart(call_id.split(":")[0].split(".")[-1], args, id=call_id)
