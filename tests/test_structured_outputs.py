@@ -189,7 +189,10 @@ def test_token_bitmask_kernel_and_torch_fallback_equal_a_reference(monkeypatch: 
         def __init__(self, i: int) -> None:
             self.i = i
 
+    fills = []
+
     def fill_par(executor: object, pairs: list, out: torch.Tensor) -> None:
+        fills.append(len(pairs))
         for m, j in pairs:
             out[j] = bitmask[m.i]
 
@@ -199,13 +202,27 @@ def test_token_bitmask_kernel_and_torch_fallback_equal_a_reference(monkeypatch: 
         m._llg = type("llg", (), {"torch": type("t", (), {"allocate_token_bitmask": staticmethod(
             lambda n, v: torch.zeros(n, (v + 31) // 32, dtype=torch.int32)),
             "fill_next_token_bitmask_par": staticmethod(fill_par)})})
-        m._tokenizer_vocab, m._executor, m._matcher = vocab, None, Fixed(i)
+        m._tokenizer_vocab, m._executor, m._matcher, m._pending, m._version = vocab, None, Fixed(i), None, 0
         matchers.append(m)
     for kernels in (True, False):
         monkeypatch.setattr(guidance, "load_cpu_kernels", lambda k=kernels: k)
         got = logits.clone()
         guidance.GuidanceMatcher.mask_rows(matchers, got, rows)
         assert torch.equal(got, expected), f"kernels={kernels}"
+    # masks prefetched during the forward pass (in another order) are used, not computed again
+    backend = guidance.GuidanceBackend.__new__(guidance.GuidanceBackend)
+    backend._llg, backend._executor, backend._prefetch_pool = matchers[0]._llg, None, None
+    backend._tokenizer = type("tok", (), {"vocab_size": vocab})
+    fills.clear()
+    backend.prefetch(matchers[::-1])
+    got = logits.clone()
+    guidance.GuidanceMatcher.mask_rows(matchers, got, rows)
+    assert torch.equal(got, expected) and fills == [3]
+    backend.prefetch(matchers)
+    matchers[1]._version += 1  # a matcher that moved since: its mask is computed again, with the others'
+    got = logits.clone()
+    guidance.GuidanceMatcher.mask_rows(matchers, got, rows)
+    assert torch.equal(got, expected) and fills == [3, 3, 3]
 
 
 # ---- speculative decoding --------------------------------------------------------------------

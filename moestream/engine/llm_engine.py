@@ -159,6 +159,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        self.grammar_backend.prefetch([r.grammar for r, _ in sched.scheduled if r.grammar is not None])
         samplers, logits, starts, first = self._execute(sched)
         now = time.monotonic()  # only now, with nothing left that can fail, does the step's progress count
         self.output_processor.add_prompt_logprobs(self.runner.prompt_logprobs)

@@ -36,6 +36,10 @@ class GrammarBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> object:
         """The compiled grammar. Raises ValueError naming `structured_outputs.<kind>`."""
 
+    def prefetch(self, matchers: "Sequence[GrammarMatcher]") -> None:
+        """Start computing these matchers' next-token masks while the model runs (optional
+        work ahead: `mask_rows` must give the same masks without it)."""
+
     def matcher(self, params: StructuredOutputsParams | None,
                 prompt_token_ids: Sequence[int] = ()) -> GrammarMatcher | None:
         """A fresh matcher for one request (its prompt's token ids given); None without

@@ -8,12 +8,13 @@ docs/performance.md ("Structured outputs").
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,6 +43,23 @@ def _import_llguidance() -> Any:
     return llguidance
 
 
+def _fill_each(llg: Any, matchers: list[Any], bitmask: torch.Tensor) -> None:
+    """(prefetch thread) Fill row i of `bitmask` with matchers[i]'s mask, one after the
+    other on this thread: the forward pass keeps the other cores."""
+    for i, m in enumerate(matchers):
+        llg.torch.fill_next_token_bitmask(m, bitmask, i)
+
+
+@dataclass(frozen=True)
+class _Prefetch:
+    """A mask being computed: row `row` of `bitmask`, of the matcher's state `version`."""
+
+    future: concurrent.futures.Future
+    bitmask: torch.Tensor
+    row: int
+    version: int
+
+
 class GuidanceMatcher:
     """One request's grammar state: which tokens may come next.
 
@@ -56,6 +74,14 @@ class GuidanceMatcher:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._tokenizer_vocab = tokenizer_vocab
+        self._version = 0  # tokens accepted or rolled back so far: which state a prefetched mask is of
+        self._pending: _Prefetch | None = None
+
+    def _settle(self) -> None:
+        """Wait for a mask being computed from this state (before the state changes)."""
+        if self._pending is not None:
+            self._pending.future.result()
+            self._pending = None
 
     @staticmethod
     def mask_rows(matchers: "Sequence[GuidanceMatcher]", logits: torch.Tensor, rows: Sequence[int]) -> None:
@@ -70,9 +96,21 @@ class GuidanceMatcher:
             return
         first = matchers[0]
         llg, vocab = first._llg, first._tokenizer_vocab
-        bitmask = llg.torch.allocate_token_bitmask(len(matchers), vocab)  # [R, ceil(V_tok / 32)] int32
-        llg.torch.fill_next_token_bitmask_par(first._executor, [(m._matcher, i) for i, m in enumerate(matchers)],
-                                              bitmask)
+        pending = [m._pending for m in matchers]
+        if all(p is not None and p.version == m._version and p.bitmask is pending[0].bitmask
+               for p, m in zip(pending, matchers)):  # computed during the forward pass (`prefetch`)
+            pending[0].future.result()
+            picks = [p.row for p in pending]
+            whole = picks == list(range(pending[0].bitmask.shape[0]))
+            bitmask = pending[0].bitmask if whole else pending[0].bitmask[picks]
+        else:
+            for m in matchers:
+                m._settle()
+            bitmask = llg.torch.allocate_token_bitmask(len(matchers), vocab)  # [R, ceil(V_tok / 32)] int32
+            llg.torch.fill_next_token_bitmask_par(first._executor, [(m._matcher, i) for i, m in enumerate(matchers)],
+                                                  bitmask)
+        for m in matchers:
+            m._pending = None
         index = torch.tensor(list(rows), dtype=torch.long)
         if logits.device.type == "cpu" and load_cpu_kernels():  # in place, a word of 32 tokens at a time
             apply_token_bitmask(logits, bitmask, index, vocab)
@@ -86,11 +124,16 @@ class GuidanceMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar does not allow it (the state is unchanged)."""
-        return bool(self._matcher.consume_token(token))
+        self._settle()
+        ok = bool(self._matcher.consume_token(token))
+        self._version += ok
+        return ok
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
+        self._settle()
         self._matcher.rollback(num_tokens)
+        self._version += 1
 
     @property
     def is_terminated(self) -> bool:
@@ -124,6 +167,7 @@ class GuidanceBackend:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._prefetch_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def _ready(self) -> Any:
@@ -180,6 +224,22 @@ class GuidanceBackend:
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+    def prefetch(self, matchers: Sequence[GuidanceMatcher]) -> None:
+        """Start computing the next-token masks of `matchers` on a background thread, so that
+        they are ready when the step samples (the model's forward pass runs meanwhile, on
+        other cores). `mask_rows` uses them while the matcher has not moved; a matcher's
+        `accept` or `rollback` first waits for its mask."""
+        matchers = [m for m in matchers if m._pending is None]
+        if not matchers:
+            return
+        llg = self._llg
+        if self._prefetch_pool is None:
+            self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moestream-grammar-mask")
+        bitmask = llg.torch.allocate_token_bitmask(len(matchers), self._tokenizer.vocab_size)
+        future = self._prefetch_pool.submit(_fill_each, llg, [m._matcher for m in matchers], bitmask)
+        for i, m in enumerate(matchers):
+            m._pending = _Prefetch(future, bitmask, i, m._version)
 
     def matcher(self, params: StructuredOutputsParams | None,
                 prompt_token_ids: Sequence[int] = ()) -> GuidanceMatcher | None:

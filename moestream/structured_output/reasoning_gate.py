@@ -81,6 +81,10 @@ class ReasoningGatedBackend:
     def compile(self, params: StructuredOutputsParams) -> object:
         return self.inner.compile(params)
 
+    def prefetch(self, matchers: Sequence[ReasoningGatedMatcher]) -> None:
+        """Prefetch the masks of the matchers whose reasoning has ended."""
+        self.inner.prefetch([m.inner for m in matchers if m.ended])
+
     def _decode(self, token: int) -> str:
         return self._tokenizer.decode([token], skip_special_tokens=False)
 
