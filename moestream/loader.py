@@ -213,9 +213,6 @@ def _prefixed(cfg: ModelConfig, name: str) -> str:
     return cfg.weight_prefix + name[len("model."):] if name.startswith("model.") else name
 
 
-# transformers 5's in-memory layout of a layer's experts, which some checkpoints store as is:
-# gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I].
-FUSED_EXPERT_NAMES = ("model.layers.{l}.mlp.experts.gate_up_proj", "model.layers.{l}.mlp.experts.down_proj")
 
 
 def _transposed(cfg: ModelConfig) -> bool:
@@ -228,7 +225,7 @@ def _fused_names(cfg: ModelConfig, reader: CheckpointReader, layer: int) -> tupl
     per-expert ones (a per-expert name wins when both are present); else None."""
     if _expert_names(cfg, layer, 0)[0] in reader:
         return None
-    gate_up, down = (_prefixed(cfg, n.format(l=layer)) for n in FUSED_EXPERT_NAMES)
+    gate_up, down = (_prefixed(cfg, n.format(l=layer)) for n in get_model_class(cfg.model_type).fused_expert_names)
     return (gate_up, down) if gate_up in reader else None
 
 
@@ -236,7 +233,7 @@ def load_resident_experts(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
 ) -> None:
     """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]),
-    from per-expert tensors or the fused 3-D ones (`FUSED_EXPERT_NAMES`; transposed for a
+    from per-expert tensors or the fused 3-D ones (the model class's `fused_expert_names`; transposed for a
     model class with `fused_experts_transposed`, gpt-oss, and transposed back here).
 
     Raises:
@@ -275,7 +272,7 @@ def expert_locations(
     cfg: ModelConfig, reader: CheckpointReader
 ) -> dict[tuple[int, int], tuple[TensorLocation, TensorLocation, TensorLocation]]:
     """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
-    With fused 3-D tensors (`FUSED_EXPERT_NAMES`) these are slices of them: expert e's gate
+    With fused 3-D tensors (the model class's `fused_expert_names`) these are slices of them: expert e's gate
     and up are rows [e, :I] and [e, I:] of gate_up_proj, its down is down_proj[e], each
     contiguous in the file, so they are read in place. Transposed fused tensors (gpt-oss)
     give two locations, gate_up_proj[e] [H, 2I] and down_proj[e] [I, H], which
@@ -342,7 +339,7 @@ def packed_experts(
     if method.fused_experts:
         matrices = (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter)))
         def bases(layer: int, e: int) -> tuple[str, ...]:
-            return tuple(_prefixed(cfg, n.format(l=layer)) for n in FUSED_EXPERT_NAMES)
+            return tuple(_prefixed(cfg, n.format(l=layer)) for n in get_model_class(cfg.model_type).fused_expert_names)
     else:
         matrices = (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
         def bases(layer: int, e: int) -> tuple[str, ...]:

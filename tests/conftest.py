@@ -52,7 +52,12 @@ def qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("qwen3_5_moe")), "qwen3_5_moe", seed=3)
 
 
-@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="session")
+def granite_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("granite")), "granitemoehybrid", seed=4)
+
+
+@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe", "granite"])
 def hybrid_dir(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -29,6 +29,8 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3_next": ("Qwen3-Next", (*COMMON, "num_experts", "moe_intermediate_size", "intermediate_size")),
     "qwen3_5_moe": ("Qwen3.5-MoE", (*COMMON, "num_experts", "moe_intermediate_size")),
     "qwen3_5_moe_vl": ("Qwen3.5-MoE", (*COMMON, "num_experts", "moe_intermediate_size")),
+    "granite": ("Granite-4.0-H", (*COMMON, "num_local_experts", "intermediate_size", "shared_intermediate_size",
+                                  "mamba_n_heads", "mamba_d_head", "mamba_d_state")),
 }
 CASES = [(model, field) for model, (_, fields) in REQUIRED.items() for field in fields]
 
@@ -128,6 +130,22 @@ def test_bad_optional_field_names_it_and_the_file(
     request: pytest.FixtureRequest, tmp_path, field: str, value: Any, problem: str
 ) -> None:
     cfg = _hf_config(request, "qwen3_moe")
+    cfg[field] = value
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
+        model_config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("mamba_n_groups", 3, "is 3; it must divide the 4 mamba_n_heads"),
+    ("mamba_d_head", 16, "is 16: mamba_n_heads x mamba_d_head (64) must equal mamba_expand x hidden_size (128)"),
+    ("time_step_limit", [1.0, 0.5], "must be two numbers 0 <= min <= max, got [1.0, 0.5]"),
+    ("position_embedding_type", "alibi", "must be 'rope', 'nope' or null, got 'alibi'"),
+    ("layer_types", ["mamba", "attention", "mamba"], "must list 'mamba' or 'attention' for each of the 4 layers"),
+])
+def test_bad_granite_field_names_it(request: pytest.FixtureRequest, tmp_path, field: str, value: Any,
+                                    problem: str) -> None:
+    cfg = _hf_config(request, "granite")
     cfg[field] = value
     path = _write(tmp_path, cfg)
     with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):

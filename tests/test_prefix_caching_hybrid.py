@@ -17,6 +17,7 @@ from parity import LogitsRecorder, check_all, greedy_params
 from moestream import LLM, SamplingParams
 from moestream.engine.state_checkpoints import StateCheckpointPool
 from moestream.engine.state_pool import StatePool
+from moestream.layers.recurrent_state import StateSpec
 
 BS = 16
 
@@ -135,7 +136,8 @@ def test_bad_checkpoint_settings(qwen3_next_dir: str, bad: dict, msg: str) -> No
 
 
 def _pool(rows: int, host: int) -> tuple[StatePool, StateCheckpointPool]:
-    sp = StatePool(1, (4, 3), (2, 3, 3), torch.float32, torch.float32, 1, torch.device("cpu"), num_checkpoint_rows=rows)
+    specs = (StateSpec("conv", (4, 3), torch.float32), StateSpec("ssm", (2, 3, 3), torch.float32))
+    sp = StatePool(1, specs, 1, torch.device("cpu"), num_checkpoint_rows=rows)
     return sp, StateCheckpointPool(sp, host * sp.bytes_per_state)
 
 
@@ -145,9 +147,9 @@ def test_pool_demotes_least_valuable_and_restores_bit_exact() -> None:
     values = {}
     for key, tokens in ((b"a", 16), (b"b", 512)):
         row = pool.take_row()
-        sp.conv[0][row].normal_()
-        sp.ssm[0][row].normal_()
-        values[key] = (sp.conv[0][row].clone(), sp.ssm[0][row].clone())
+        sp.tensors["conv"][0][row].normal_()
+        sp.tensors["ssm"][0][row].normal_()
+        values[key] = (sp.tensors["conv"][0][row].clone(), sp.tensors["ssm"][0][row].clone())
         pool.register(key, tokens, row)
     # Full: "a" (older and 16 tokens) is worth less than "b" (newer, 512 tokens): it moves to the host.
     row = pool.take_row()
@@ -155,7 +157,7 @@ def test_pool_demotes_least_valuable_and_restores_bit_exact() -> None:
     pool.register(b"c", 32, row)
     pool.restore(b"a", "r")  # from the host tier
     slot = sp.slot_of("r")
-    assert torch.equal(sp.conv[0][slot], values[b"a"][0]) and torch.equal(sp.ssm[0][slot], values[b"a"][1])
+    assert torch.equal(sp.tensors["conv"][0][slot], values[b"a"][0]) and torch.equal(sp.tensors["ssm"][0][slot], values[b"a"][1])
     # The host tier holds 1: the next demotion drops the least valuable host checkpoint ("a").
     pool.take_row()
     assert b"a" not in pool and pool.stats.evictions == 1 and pool.num_host() == 1

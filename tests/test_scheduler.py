@@ -7,6 +7,7 @@ from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.request import Request, RequestStatus
 from moestream.engine.scheduler import Scheduler
 from moestream.engine.state_pool import StatePool
+from moestream.layers.recurrent_state import StateSpec
 from moestream.sampling_params import SamplingParams
 
 
@@ -100,7 +101,8 @@ def test_finish_aborts_and_frees() -> None:
 def test_hybrid_requests_take_turns_on_the_state_slots() -> None:
     """2 state slots, 3 requests: each step runs 2, in round robin (least recently run or
     longest waiting first), and the 2 that run are the resident ones."""
-    pool = StatePool(1, (4, 3), (2, 3, 3), torch.float32, torch.float32, 2, torch.device("cpu"))
+    specs = (StateSpec("conv", (4, 3), torch.float32), StateSpec("ssm", (2, 3, 3), torch.float32))
+    pool = StatePool(1, specs, 2, torch.device("cpu"))
     s = Scheduler(KVCacheCoordinator(KVCacheManager(100, 4), pool), max_num_seqs=8, max_num_batched_tokens=100)
     for r in (req("a", 3), req("b", 3), req("c", 3)):
         s.add_request(r)

@@ -38,7 +38,7 @@ def _no_leaks(llm: LLM) -> None:
         assert engine.state_pool.num_resident() == 0
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss"])
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "granite"])
 def any_model(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

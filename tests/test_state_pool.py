@@ -7,19 +7,26 @@ import pytest
 import torch
 
 from moestream.engine.state_pool import StatePool
+from moestream.layers.recurrent_state import StateSpec
 
 
-def _pool(max_resident: int = 2, layers: int = 2) -> StatePool:
-    return StatePool(layers, (6, 3), (2, 4, 5), torch.float32, torch.float32, max_resident, torch.device("cpu"))
+GDN = (StateSpec("conv", (6, 3), torch.float32), StateSpec("ssm", (2, 4, 5), torch.float32))
+# another mixer's state (three tensors, two dtypes), as Kimi Delta Attention's q/k/v convs would be
+THREE = (StateSpec("conv_q", (4, 3), torch.bfloat16), StateSpec("conv_k", (4, 3), torch.bfloat16),
+         StateSpec("recurrent", (2, 4, 4), torch.float32))
+
+
+def _pool(max_resident: int = 2, layers: int = 2, specs: tuple[StateSpec, ...] = GDN) -> StatePool:
+    return StatePool(layers, specs, max_resident, torch.device("cpu"))
 
 
 def _fill(pool: StatePool, slot: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for conv, ssm in pool.caches():
-        conv[slot] = torch.randn(conv[slot].shape, generator=g)
-        ssm[slot] = torch.randn(ssm[slot].shape, generator=g)
-        out += [conv[slot].clone(), ssm[slot].clone()]
+    for tensors in pool.caches():
+        for t in tensors:
+            t[slot] = torch.randn(t[slot].shape, generator=g).to(t.dtype)
+            out.append(t[slot].clone())
     return out
 
 
@@ -27,8 +34,11 @@ def _read(pool: StatePool, slot: int) -> list[torch.Tensor]:
     return [t[slot].clone() for pair in pool.caches() for t in pair]
 
 
-def test_swap_out_and_in_is_bit_exact() -> None:
-    pool = _pool(max_resident=2)
+@pytest.mark.parametrize("specs", [GDN, THREE], ids=["gdn", "three_tensors"])
+def test_swap_out_and_in_is_bit_exact(specs: tuple[StateSpec, ...]) -> None:
+    pool = _pool(max_resident=2, specs=specs)
+    assert [len(c) for c in pool.caches()] == [len(specs)] * 2
+    assert pool.bytes_per_state == 2 * sum(s.nbytes for s in specs)
     a, b = pool.prepare(["a", "b"], [True, True])
     state_a, state_b = _fill(pool, a, 1), _fill(pool, b, 2)
     (c,) = pool.prepare(["c"], [True])  # evicts the least recently used: a
@@ -56,9 +66,9 @@ def test_reset_overwrites_a_reused_or_stale_state() -> None:
 
 
 def test_speculative_rows_and_accept() -> None:
-    pool = StatePool(2, (6, 3), (2, 4, 5), torch.float32, torch.float32, 2, torch.device("cpu"), num_checkpoint_rows=1,
+    pool = StatePool(2, GDN, 2, torch.device("cpu"), num_checkpoint_rows=1,
                      num_spec_rows=3)
-    assert pool.conv[0].shape[0] == 2 + 2 * 3 + 1 and pool.checkpoint_row(0) == 8
+    assert pool.tensors["conv"][0].shape[0] == 2 + 2 * 3 + 1 and pool.checkpoint_row(0) == 8
     assert [pool.spec_row(1, j) for j in range(3)] == [5, 6, 7]
     with pytest.raises(IndexError, match="no speculative row 3 of slot 0"):
         pool.spec_row(0, 3)
@@ -90,10 +100,11 @@ def test_bad_calls_are_refused_without_side_effects() -> None:
 
 
 def test_sizes() -> None:
-    pool = StatePool(3, (6, 3), (2, 4, 5), torch.bfloat16, torch.float32, 4, torch.device("cpu"))
+    mixed = (StateSpec("conv", (6, 3), torch.bfloat16), StateSpec("ssm", (2, 4, 5), torch.float32))
+    pool = StatePool(3, mixed, 4, torch.device("cpu"))
     per = 3 * (6 * 3 * 2 + 2 * 4 * 5 * 4)
     assert pool.bytes_per_state == per and pool.bytes_per_request == per and pool.device_bytes == 4 * per
-    assert pool.ssm[0].dtype == torch.float32 and pool.conv[0].dtype == torch.bfloat16
-    assert pool.ssm[0].shape == (4, 2, 4, 5)
-    spec = StatePool(3, (6, 3), (2, 4, 5), torch.bfloat16, torch.float32, 4, torch.device("cpu"), num_spec_rows=2)
-    assert spec.bytes_per_request == 3 * per and spec.ssm[0].shape == (12, 2, 4, 5)
+    assert pool.tensors["ssm"][0].dtype == torch.float32 and pool.tensors["conv"][0].dtype == torch.bfloat16
+    assert pool.tensors["ssm"][0].shape == (4, 2, 4, 5)
+    spec = StatePool(3, mixed, 4, torch.device("cpu"), num_spec_rows=2)
+    assert spec.bytes_per_request == 3 * per and spec.tensors["ssm"][0].shape == (12, 2, 4, 5)

@@ -18,6 +18,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 TOKENIZERS = {
     "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
     "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2", "gpt_oss": "qwen2",
+    "granitemoehybrid": "qwen2",
 }
 _QWEN2_VOCAB = dict(vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
 # MLA fixtures: 4 heads of 16 (nope) + 8 (rope) query/key dims, 16 value dims, a latent of 32;
@@ -45,7 +46,16 @@ GPT_OSS = dict(
     head_dim=16, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
     sliding_window=16, swiglu_limit=1.0, **_QWEN2_VOCAB,
 )
-_PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS}
+# Granite-4.0-H: Mamba-2 layers around one attention layer (no RoPE), 8 experts top-2 and a
+# shared MLP in every layer; 4 SSM heads of 32 in 2 groups; every multiplier away from 1.
+GRANITE = dict(
+    num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], intermediate_size=24,
+    shared_intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32,
+    mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+    embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0, **_QWEN2_VOCAB,
+)
+_PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS,
+            "granitemoehybrid": GRANITE}
 # Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
 HYBRID = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -140,6 +150,8 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, biases=model_type == "gpt_oss")
+    if model_type == "granitemoehybrid":
+        _randomize_mamba(model)
     model.save_pretrained(out_dir)
     _copy_tokenizer(tok_dir, out_dir)
     return out_dir
@@ -158,6 +170,19 @@ def _randomize(model: torch.nn.Module, biases: bool = False) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 / GLM: selection differs from weights
                 b.normal_(0.0, 0.1)
+
+
+def _randomize_mamba(model: torch.nn.Module) -> None:
+    """Mamba-2 parameters away from their init: decay rates A in [0.5, 4.5), D and dt_bias
+    drawn, conv biases drawn, so that each of them matters."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
+            elif name.endswith(".D") or name.endswith("conv1d.bias"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
 
 
 def _copy_tokenizer(tok_dir: str, out_dir: str) -> None:

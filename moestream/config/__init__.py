@@ -11,6 +11,7 @@ from moestream.config.model import (
     EXPERT_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
     ExpertActivation,
+    Mamba2Config,
     MLAConfig,
     ModelConfig,
     MultiModalConfig,
@@ -19,5 +20,5 @@ from moestream.config.model import (
 )
 from moestream.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
-__all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
+__all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "Mamba2Config", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
            "SpeculativeConfig", "MAX_SPECULATIVE_TOKENS", "SUPPORTED_ROPE_TYPES", "resolve_dtype"]

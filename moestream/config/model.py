@@ -79,6 +79,29 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True)
+class Mamba2Config:
+    """The Mamba-2 (SSD) mixer of a hybrid model's linear layers (HF's `mamba_*` fields):
+    `num_heads` H of `head_dim` P (inner size H*P), `state_size` N, `num_groups` G of B/C,
+    a depthwise conv of `conv_kernel` taps (with `conv_bias`), `proj_bias` on in/out_proj,
+    `chunk_size` (the SSD chunk of the reference kernels), `time_step_limit` (dt clamp)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    chunk_size: int
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv (and of its state): x, B and C."""
+        return self.num_heads * self.head_dim + 2 * self.num_groups * self.state_size
+
+
 EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swigluoai")
 
 
@@ -151,6 +174,11 @@ class ModelConfig:
     (then `head_dim` is the rope head dim, as HF sets it). `router`: the routing method.
     `quantization`: the checkpoint's `quantization_config` (None: float weights).
 
+    Granite-4.0-H: `mamba` (the Mamba-2 mixer of its linear layers), `embedding_multiplier`
+    (scales the input embeddings), `residual_multiplier` (scales each block's output before
+    the residual add), `attention_multiplier` (the softmax scale; None: head_dim ** -0.5),
+    `logits_scaling` (logits are divided by it), `use_rope` False (no positional encoding).
+
     Sliding-window attention: `sliding_window` applies to every attention layer unless
     `layer_types` names some "sliding_attention" and others "full_attention" (gpt-oss);
     then only the former. `attention_sinks`: each attention head has a learned logit added
@@ -201,6 +229,12 @@ class ModelConfig:
     quantization: QuantizationConfig | None = None
     attention_sinks: bool = False
     expert_activation: ExpertActivation = ExpertActivation()
+    mamba: Mamba2Config | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    use_rope: bool = True
 
     @property
     def is_hybrid(self) -> bool:

@@ -309,16 +309,15 @@ def _make_elastic_memory(config: EngineConfig, mcfg: ModelConfig, plan: ExpertPl
 
 
 def _make_state_pool(cfg: EngineConfig, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> StatePool:
-    """Device state slots for `max_resident_states` requests (default max_num_seqs)."""
-    conv_dim = 2 * mcfg.linear_num_key_heads * mcfg.linear_key_head_dim + (
-        mcfg.linear_num_value_heads * mcfg.linear_value_head_dim
-    )
+    """Device state slots for `max_resident_states` requests (default max_num_seqs), of the
+    state tensors the model's recurrent mixer declares."""
+    mixer = get_model_class(mcfg.model_type).recurrent_mixer
+    if mixer is None:
+        raise ValueError(f"model type '{mcfg.model_type}' has linear-attention layers but no recurrent mixer")
+    state_dtype = dtype if cfg.mamba_ssm_cache_dtype == "auto" else resolve_dtype(cfg.mamba_ssm_cache_dtype, None)
     return StatePool(
         len(mcfg.linear_layers),
-        (conv_dim, mcfg.linear_conv_kernel_dim - 1),
-        (mcfg.linear_num_value_heads, mcfg.linear_key_head_dim, mcfg.linear_value_head_dim),
-        dtype,
-        dtype if cfg.mamba_ssm_cache_dtype == "auto" else resolve_dtype(cfg.mamba_ssm_cache_dtype, None),
+        mixer.state_specs(mcfg, dtype, state_dtype),
         cfg.max_resident_states or cfg.max_num_seqs,
         device,
         num_checkpoint_rows=0 if not cfg.enable_prefix_caching else (
@@ -378,11 +377,10 @@ def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, 
         return
     logger.info(
         "hybrid model: KV cache for %d of %d layers (full attention); linear-attention state %.2f MiB per "
-        "request (%d layers, conv %s %s + recurrent %s %s, with %d speculative rows); %d device slots "
-        "(%.1f MiB), the rest swapped to host",
+        "request (%d layers, %s, with %d speculative rows); %d device slots (%.1f MiB), the rest swapped to host",
         len(mcfg.attention_layers), mcfg.num_layers, pool.bytes_per_request / 2**20, len(mcfg.linear_layers),
-        list(pool.conv_shape), str(pool.conv_dtype).removeprefix("torch."), list(pool.ssm_shape),
-        str(pool.ssm_dtype).removeprefix("torch."), pool.num_spec_rows, pool.max_resident, pool.device_bytes / 2**20,
+        " + ".join(f"{s.name} {list(s.shape)} {str(s.dtype).removeprefix('torch.')}" for s in pool.specs),
+        pool.num_spec_rows, pool.max_resident, pool.device_bytes / 2**20,
     )
     if checkpoints is not None:
         logger.info(

@@ -16,7 +16,7 @@ from moestream.engine.scheduler import SchedulerOutput
 from moestream.engine.state_pool import StatePool
 from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
-from moestream.layers.gated_delta_net import StateMetadata
+from moestream.layers.recurrent_state import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.multimodal.vision import VisionEncoder
 

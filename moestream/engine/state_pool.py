@@ -1,7 +1,9 @@
-"""StatePool: the per-request states of linear-attention (Gated DeltaNet) layers.
+"""StatePool: the per-request states of linear-attention layers.
 
-A request's state, for every linear layer, is its conv state [C, K-1] (model dtype) and its
-recurrent state [Hv, Dk, Dv] (float32 by default). Unlike KV blocks it does not grow with the
+A request's state, for every linear layer, is the tuple of tensors its mixer declares
+(`RecurrentMixer.state_specs`, layers/recurrent_state.py; Gated DeltaNet: a conv state
+[C, K-1] in the model's dtype and a recurrent state [Hv, Dk, Dv], float32 by default); the
+pool knows them only by their specs. Unlike KV blocks it does not grow with the
 sequence, so a request holds one slot for its whole life. At most `max_resident` requests
 keep their slot on the device; the others wait in host memory (pinned on CUDA) and are
 swapped back in, least-recently-used out first, before their next forward. A swapped state
@@ -26,28 +28,27 @@ from collections import OrderedDict, deque
 
 import torch
 
+from moestream.layers.recurrent_state import StateSpec
+
 logger = logging.getLogger(__name__)
 
 
 class StatePool:
     """Device state slots for `max_resident` requests, plus a host tier for the rest.
 
-    Tensors: per linear layer, conv [R + R*k + D, C, K-1] and ssm [R + R*k + D, Hv, Dk, Dv];
-    rows 0..R-1 are the current states, rows R..R+R*k-1 the `num_spec_rows` = k speculative
-    rows of each slot, the last D rows the `num_checkpoint_rows` device rows of the state
-    checkpoints.
+    Tensors (`tensors[spec.name][layer]`): per linear layer and state spec, [R + R*k + D,
+    *spec.shape]; rows 0..R-1 are the current states, rows R..R+R*k-1 the `num_spec_rows` = k
+    speculative rows of each slot, the last D rows the `num_checkpoint_rows` device rows of
+    the state checkpoints.
 
-    Raises (constructor): ValueError if max_resident < 1, num_checkpoint_rows < 0 or
-    num_spec_rows < 0.
+    Raises (constructor): ValueError if max_resident < 1, num_checkpoint_rows < 0,
+    num_spec_rows < 0, or no specs / two of one name.
     """
 
     def __init__(
         self,
         num_layers: int,
-        conv_shape: tuple[int, int],
-        ssm_shape: tuple[int, int, int],
-        conv_dtype: torch.dtype,
-        ssm_dtype: torch.dtype,
+        specs: tuple[StateSpec, ...],
         max_resident: int,
         device: torch.device,
         num_checkpoint_rows: int = 0,
@@ -59,18 +60,20 @@ class StatePool:
             raise ValueError(f"num_checkpoint_rows must be at least 0, got {num_checkpoint_rows}")
         if num_spec_rows < 0:
             raise ValueError(f"num_spec_rows must be at least 0, got {num_spec_rows}")
+        if not specs or len({s.name for s in specs}) != len(specs):
+            raise ValueError(f"a state needs one or more tensors of distinct names, got {specs!r}")
         self.max_resident = max_resident
         self.num_spec_rows = num_spec_rows
         self.num_checkpoint_rows = num_checkpoint_rows
         self.device = device
-        self.conv_shape, self.ssm_shape = conv_shape, ssm_shape
-        self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
+        self.specs = tuple(specs)
         rows = max_resident * (1 + num_spec_rows) + num_checkpoint_rows
-        self.conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(num_layers)]
-        self.ssm = [torch.zeros(rows, *ssm_shape, dtype=ssm_dtype, device=device) for _ in range(num_layers)]
+        self.tensors = {s.name: [torch.zeros(rows, *s.shape, dtype=s.dtype, device=device) for _ in range(num_layers)]
+                        for s in self.specs}
+        self._all = [t for layer in range(num_layers) for t in (self.tensors[s.name][layer] for s in self.specs)]
         self._free: deque[int] = deque(range(max_resident))
         self._resident: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recent first
-        self._host: dict[str, list[torch.Tensor]] = {}  # request id -> [conv, ssm] per layer
+        self._host: dict[str, list[torch.Tensor]] = {}  # request id -> host copies of its rows (`read_row`)
         self._pin = device.type == "cuda"
         self.num_swap_outs = 0
         self.num_swap_ins = 0
@@ -78,11 +81,13 @@ class StatePool:
     # ---- sizes ----------------------------------------------------------------------
 
     @property
+    def num_layers(self) -> int:
+        return len(self.tensors[self.specs[0].name])
+
+    @property
     def bytes_per_state(self) -> int:
-        """Bytes of one state (conv + recurrent, all linear layers): one slot or checkpoint."""
-        conv = torch.Size(self.conv_shape).numel() * torch.tensor([], dtype=self.conv_dtype).element_size()
-        ssm = torch.Size(self.ssm_shape).numel() * torch.tensor([], dtype=self.ssm_dtype).element_size()
-        return len(self.conv) * (conv + ssm)
+        """Bytes of one state (every tensor of every linear layer): one slot or checkpoint."""
+        return self.num_layers * sum(s.nbytes for s in self.specs)
 
     @property
     def bytes_per_request(self) -> int:
@@ -93,9 +98,9 @@ class StatePool:
     def device_bytes(self) -> int:
         return self.max_resident * self.bytes_per_request
 
-    def caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(conv, ssm) per linear layer, as the model reads them."""
-        return list(zip(self.conv, self.ssm))
+    def caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per linear layer, its state tensors in spec order, as the model reads them."""
+        return [tuple(self.tensors[s.name][layer] for s in self.specs) for layer in range(self.num_layers)]
 
     @property
     def num_free_slots(self) -> int:
@@ -195,23 +200,19 @@ class StatePool:
         return self.max_resident * (1 + self.num_spec_rows) + i
 
     def copy_row(self, src: int, dst: int) -> None:
-        """Copy tensor row `src` to row `dst` in every linear layer (conv and ssm)."""
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[dst].copy_(conv[src])
-            ssm[dst].copy_(ssm[src])
+        """Copy tensor row `src` to row `dst` in every state tensor of every linear layer."""
+        for t in self._all:
+            t[dst].copy_(t[src])
 
     def read_row(self, row: int) -> list[torch.Tensor]:
-        """Host copies [conv, ssm] per linear layer of tensor row `row` (pinned on CUDA)."""
-        out = []
-        for conv, ssm in zip(self.conv, self.ssm):
-            out += [self._host_copy(conv[row]), self._host_copy(ssm[row])]
-        return out
+        """Host copies of tensor row `row`, per linear layer its tensors in spec order
+        (pinned on CUDA)."""
+        return [self._host_copy(t[row]) for t in self._all]
 
     def write_row(self, row: int, host: list[torch.Tensor]) -> None:
         """Write host copies from `read_row` into tensor row `row`."""
-        for i, (conv, ssm) in enumerate(zip(self.conv, self.ssm)):
-            conv[row].copy_(host[2 * i], non_blocking=self._pin)
-            ssm[row].copy_(host[2 * i + 1], non_blocking=self._pin)
+        for t, h in zip(self._all, host, strict=True):
+            t[row].copy_(h, non_blocking=self._pin)
 
     def restore(self, request_id: str, row: int | None = None, host: list[torch.Tensor] | None = None) -> None:
         """Set a resident request's state to a checkpoint: device
@@ -249,6 +250,5 @@ class StatePool:
         self.write_row(slot, host)
 
     def _zero(self, slot: int) -> None:
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[slot].zero_()
-            ssm[slot].zero_()
+        for t in self._all:
+            t[slot].zero_()

@@ -22,7 +22,9 @@ class Attention(nn.Module):
 
     `bias` applies to q/k/v_proj, and to o_proj unless `o_bias` says otherwise (GLM-4.5:
     q/k/v biased, o_proj never). `sinks`: a learned per-head softmax sink `sinks` [Hq]
-    (gpt-oss, transformers' GptOssAttention); `sliding_window`: this layer's window or None."""
+    (gpt-oss, transformers' GptOssAttention); `sliding_window`: this layer's window or None;
+    `rotary` None: no positional encoding (Granite-4.0-H); `scale`: the softmax scale
+    (default head_dim ** -0.5; Granite: its attention_multiplier)."""
 
     def __init__(
         self,
@@ -32,13 +34,14 @@ class Attention(nn.Module):
         head_dim: int,
         bias: bool,
         qk_norm_eps: float | None,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         backend: AttentionBackend,
         sliding_window: int | None,
         output_gate: bool = False,
         norm_unit_offset: bool = False,
         o_bias: bool | None = None,
         sinks: bool = False,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -56,7 +59,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
 
     def forward(
         self,
@@ -75,7 +78,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window,
                                  sinks=self.sinks)
         o = o.reshape(t, self.num_heads * self.head_dim)  # [T, Hq * D]

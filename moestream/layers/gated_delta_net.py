@@ -9,14 +9,15 @@ Follows transformers' Qwen3NextGatedDeltaNet / Qwen3_5MoeGatedDeltaNet:
 Qwen3-Next fuses the input projections (`in_proj_qkvz`, `in_proj_ba`) and interleaves them
 per key head; Qwen3.5 keeps them split (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`).
 
-A request's state lives in a slot of the StatePool's tensors: the conv state (its last
-K-1 conv inputs) and the recurrent state. Prefill chunks run the chunked rule from the slot's
-state; single-token rows of the batch (decodes) run together in one batched recurrent step.
+A request's state lives in a slot of the StatePool's tensors (`RecurrentMixer`, in
+layers/recurrent_state.py): the conv state (its last K-1 conv inputs) and the recurrent
+state. Prefill chunks run the chunked rule from the slot's state; single-token rows of the
+batch (decodes) run together in one batched recurrent step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,30 +29,13 @@ from moestream.layers.gated_delta_rule import (
 )
 from moestream.layers.linear import Linear
 from moestream.layers.norm import GatedRMSNorm
-
-
-@dataclass(frozen=True)
-class StateMetadata:
-    """Where each request of the step keeps its linear-attention state.
-
-    Attributes:
-        query_start_loc_cpu: [B + 1] request i owns rows [q[i], q[i+1]) of the flat batch.
-        state_slots_cpu: [B] the StatePool slot of request i.
-        state_slots: the same, as an int64 tensor on the device.
-        captures: [B] per request, (offset, row or None) pairs (prefix-cache state
-            checkpoints): after the first `offset` of its new tokens (1 <= offset <= its
-            count), the state is also written to tensor row `row`. A prefill is computed
-            in pieces that end at these offsets (also where `row` is None: a position
-            checkpointed already), so a hit that restores a checkpoint and computes from
-            there runs the same pieces as the miss did. A speculative verify captures at
-            every offset but the last (pieces of one token run the recurrent step decode
-            runs).
-    """
-
-    query_start_loc_cpu: list[int]
-    state_slots_cpu: list[int]
-    state_slots: torch.Tensor
-    captures: list[list[tuple[int, int | None]]] | None = None
+from moestream.layers.recurrent_state import (
+    RecurrentMixer,
+    StateMetadata,
+    StateSpec,
+    capture_decodes,
+    prefill_pieces,
+)
 
 
 class DepthwiseConv1d(nn.Module):
@@ -62,13 +46,22 @@ class DepthwiseConv1d(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size), requires_grad=False)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentMixer):
     """forward(x [T, hidden], (conv_state [S, C, K-1], ssm_state [S, Hv, Dk, Dv]), meta) -> [T, hidden].
 
     C = 2 * Hk * Dk + Hv * Dv conv channels. The states of the requests in `meta` are read
     and updated in place; ssm_state's dtype is the pool's (float32 by default), conv_state's
     the model's.
     """
+
+    @classmethod
+    def state_specs(cls, cfg: Any, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[StateSpec, ...]:
+        """conv [C, K-1] in the model's dtype, ssm (the recurrent state) [Hv, Dk, Dv] in `state_dtype`."""
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+        return (StateSpec("conv", (conv_dim, cfg.linear_conv_kernel_dim - 1), dtype),
+                StateSpec("ssm", (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                          state_dtype))
 
     def __init__(
         self,
@@ -144,19 +137,10 @@ class GatedDeltaNet(nn.Module):
             ssm_state[idx] = new_state.to(ssm_state.dtype)
             core[rows] = o
         captures = meta.captures or [[] for _ in slots]
-        for i in decodes:  # checkpoints after a decode token: the slot's new state
-            for _, row in captures[i]:
-                if row is not None:
-                    conv_state[row] = conv_state[slots[i]]
-                    ssm_state[row] = ssm_state[slots[i]]
-        for i in range(len(slots)):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start == 1:
-                continue
+        capture_decodes(state, meta, decodes)  # checkpoints after a decode token: the slot's new state
+        km1 = conv_state.shape[2]
+        for i, start, end, window in prefill_pieces(meta, mixed, conv_state):  # window [C, K-1+n]
             slot = slots[i]
-            window = torch.cat((conv_state[slot], mixed[start:end].T.to(conv_state.dtype)), dim=-1)  # [C, K-1+n]
-            km1 = conv_state.shape[2]
-            conv_state[slot] = window[:, window.shape[1] - km1 :]
             y = F.silu(F.conv1d(window[None].to(weight.dtype), weight, groups=self.conv_dim))[0].T.to(x.dtype)  # [n, C]
             q, k, v = self._split_heads(y)
             state = ssm_state[slot]  # [Hv, Dk, Dv], the pool's dtype between pieces

@@ -21,30 +21,32 @@ from moestream.models.config_fields import HFConfigFields
 from moestream.experts.interface import ExpertStore
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
-from moestream.layers.gated_delta_net import GatedDeltaNet, StateMetadata
 from moestream.layers.linear import Embedding, Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.moe import SparseMoE
 from moestream.layers.norm import RMSNorm
+from moestream.layers.recurrent_state import RecurrentMixer, StateMetadata
 from moestream.layers.rotary import RotaryEmbedding
 from moestream.layers.router import TopKRouter
 
 
 class DecoderLayer(nn.Module):
     """x + mixer(norm(x)), then h + mlp(norm(h)); x [T, H] -> [T, H]. The mixer is attention
-    (`self_attn`, over a paged KV cache) or Gated DeltaNet (`linear_attn`, over state slots)."""
+    (`self_attn`, over a paged KV cache) or a `RecurrentMixer` such as Gated DeltaNet
+    (`linear_attn`, over state slots)."""
 
     def __init__(self, cfg: ModelConfig, mixer: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         offset = cfg.norm_unit_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
-        self.is_linear = isinstance(mixer, GatedDeltaNet)
+        self.is_linear = isinstance(mixer, RecurrentMixer)
         if self.is_linear:
             self.linear_attn = mixer
         else:
             self.self_attn = mixer
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.mlp = mlp
+        self.residual_multiplier = cfg.residual_multiplier  # Granite scales each block's output
 
     def forward(
         self,
@@ -54,14 +56,17 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         state_meta: StateMetadata | None,
     ) -> torch.Tensor:
-        """cache: (k, v) for attention layers, (conv_state, ssm_state) for linear ones."""
+        """cache: (k, v) for attention layers, the state tensors (`RecurrentMixer.state_specs`)
+        for linear ones."""
         if self.is_linear:
             assert state_meta is not None, "a linear-attention layer needs state metadata"
-            x = x + self.linear_attn(self.input_layernorm(x), cache, state_meta)
+            mixed = self.linear_attn(self.input_layernorm(x), cache, state_meta)
         else:
-            x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta)
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp(h)
+            mixed = self.self_attn(positions, self.input_layernorm(x), cache, meta)
+        m = self.residual_multiplier
+        x = x + (mixed if m == 1.0 else mixed * m)
+        out = self.mlp(self.post_attention_layernorm(x))
+        return x + (out if m == 1.0 else out * m)
 
 
 class DecoderModel(nn.Module):
@@ -84,7 +89,7 @@ class MoEForCausalLM(nn.Module):
 
     forward(input_ids [T] int64, positions [T] int64 (or [3, T] M-RoPE positions), kv_caches:
             per full-attention layer (k, v), meta, state_caches: per linear-attention layer
-            (conv, ssm), state_meta, resident_only: MoE layers route only to experts on the
+            its state tensors (`recurrent_mixer.state_specs`), state_meta, resident_only: MoE layers route only to experts on the
             device, a draft pass; inputs_embeds [T, H]: the input embeddings to use instead of
             embedding input_ids, as multimodal prompts give)
         -> hidden states [T, H] (model dtype)
@@ -100,6 +105,16 @@ class MoEForCausalLM(nn.Module):
         "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
         "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
     )
+
+    # The token mixer of the model's linear-attention layers (hybrid models; None for
+    # others): its state tensors size the StatePool (`RecurrentMixer.state_specs`).
+    recurrent_mixer: type[RecurrentMixer] | None = None
+
+    # Names of a layer's fused 3-D expert tensors, when a checkpoint stores them instead of
+    # per-expert ones: gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I] (the
+    # default is transformers 5's in-memory layout, which some checkpoints store as is).
+    fused_expert_names: tuple[str, str] = ("model.layers.{l}.mlp.experts.gate_up_proj",
+                                           "model.layers.{l}.mlp.experts.down_proj")
 
     # The checkpoint stores fused 3-D experts as transformers 5 multiplies them, x @ W
     # (gpt-oss: gate_up_proj [E, H, 2I], down_proj [E, I, H]), not as [out, in] matrices.
@@ -180,6 +195,8 @@ class MoEForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [T, H]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
         for layer in self.model.layers:
             cache = next(state_iter) if layer.is_linear else next(kv_iter)
@@ -187,7 +204,8 @@ class MoEForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def set_fused_moe(self, fused: bool) -> None:
         """Run every routed-expert layer through the fused CPU kernel where it applies

@@ -55,6 +55,7 @@ class Qwen3NextForCausalLM(MoEForCausalLM):
     display_name = "Qwen3-Next"
     # Qwen3-Next's fused, per-key-head interleaved GDN input projections.
     fused_gdn_projections: bool = True
+    recurrent_mixer = GatedDeltaNet
 
     @classmethod
     def config_fields(cls, f: HFConfigFields, common: dict[str, Any]) -> dict[str, Any]:

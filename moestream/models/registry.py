@@ -3,6 +3,7 @@
 from moestream.models.deepseek_v2 import DeepseekV2ForCausalLM
 from moestream.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moestream.models.glm4_moe import Glm4MoeForCausalLM
+from moestream.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from moestream.models.gpt_oss import GptOssForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "deepseek_v3": DeepseekV3ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,
 }
 
 

@@ -18,7 +18,7 @@ from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.request import Request
 from moestream.experts.interface import ExpertStore
-from moestream.layers.gated_delta_net import StateMetadata
+from moestream.layers.recurrent_state import StateMetadata
 from moestream.config import ExpertActivation
 from moestream.layers.expert_executor import SWIGLU, ExpertBias, ExpertExecutor, expert_swiglu
 from moestream.layers.moe import SparseMoE
