@@ -5,6 +5,7 @@ through the server with the openai client."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -89,6 +90,25 @@ def test_malformed_calls_are_content(name: str, text: str) -> None:
     assert (m.content, calls) == (text, [])
 
 
+def test_a_streamed_call_that_turns_out_malformed_is_not_sent_again_as_content() -> None:
+    """Regression: the stream had sent the call with the end marker in its arguments, then the
+    whole raw text as content, and finish_reason tool_calls."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>'
+    whole, streamed = whole_and_streamed(ChatOutputParser(None, make_tool_parser("hermes", TOOLS)),
+                                         fresh := ChatOutputParser(None, make_tool_parser("hermes", TOOLS)), text)
+    assert whole == (None, text, [])
+    assert streamed[1] is None and [n for n, _, _ in streamed[2]] == ["get_weather"] and "<" not in streamed[2][0][1]
+    assert fresh.num_calls == 0  # so the stream's finish_reason is the whole response's
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    text = CASES["hermes"][0]
+    whole, streamed = whole_and_streamed(ChatOutputParser(None, make_tool_parser("hermes", TOOLS), max_calls=1),
+                                         ChatOutputParser(None, make_tool_parser("hermes", TOOLS), max_calls=1), text)
+    assert [(n, a) for n, a, _ in whole[2]] == [(n, a) for n, a, _ in streamed[2]] == [
+        ("get_weather", '{"city": "Paris", "days": 2}')]
+
+
 def test_required_and_named_outputs() -> None:
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
     whole, streamed = whole_and_streamed(ChatOutputParser(None, RequiredParser()),
@@ -99,6 +119,12 @@ def test_required_and_named_outputs() -> None:
     whole, streamed = whole_and_streamed(ChatOutputParser(None, NamedFunctionParser("get_weather")),
                                          ChatOutputParser(None, NamedFunctionParser("get_weather")), ' {"city": "Rome"} ')
     assert whole[2][0][:2] == streamed[2][0][:2] == ("get_weather", '{"city": "Rome"}')
+    # cut by max_tokens: a whole output keeps its finished calls only; a named function that
+    # wrote nothing (still thinking) made no call
+    cut = RequiredParser().parse('[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": {"ci',
+                                 True)
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("get_time", "{}")]
+    assert NamedFunctionParser("get_time").parse("  ", True).tool_calls == ()
 
 
 @pytest.mark.parametrize("name,text,reasoning,content", [
@@ -151,6 +177,9 @@ TOOLS_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}")
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+DEEP: dict = {"type": "string"}
+for _ in range(900):  # deeper than the chat template's renderer can recurse (was a 500)
+    DEEP = {"type": "array", "items": DEEP}
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +281,14 @@ def test_reasoning_content_and_constraints_wait_for_the_end_of_reasoning(tools_s
     assert streamed == free.reasoning_content
     off = client.chat.completions.create(extra_body={"guided_regex": "[0-9]{4}", **NO_THINKING}, **kw).choices[0].message
     assert off.reasoning_content is None and len(off.content) == 4 and off.content.isdigit()
+    # top_logprobs of a constrained output: masked tokens are -inf, written as -9999.0 (was a 500)
+    for stream in (False, True):
+        r = tools_server.post("/v1/chat/completions", json={
+            "messages": kw["messages"], "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            "stream": stream, "guided_choice": ["yes", "no"], **NO_THINKING})
+        assert r.status_code == 200, r.text
+        values = [float(v) for v in re.findall(r'"logprob":\s*(-?[0-9.e+-]+|null)', r.text) if v != "null"]
+        assert values and min(values) == -9999.0 and "null" not in re.findall(r'"logprob":\s*(null)', r.text)
     tools_server.wait_idle()
 
 
@@ -264,6 +301,7 @@ def test_reasoning_content_and_constraints_wait_for_the_end_of_reasoning(tools_s
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "pattern"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]}, "tools", "nested too deeply"),
 ])
 def test_bad_tool_fields_are_400(tools_server, body: dict, param: str, message: str | None) -> None:
     r = tools_server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],

@@ -5,9 +5,10 @@ reasoning parser and a tool parser).
 The reasoning parser runs first; the tool parser reads what follows the reasoning. While
 streaming, each step parses the whole text so far and sends what grew since the last step:
 the reasoning, the content, a new call (its id, type and name), a call's arguments. Parsers
-only ever extend what they returned before, so the deltas add up to the whole message; a
-whole output whose tool-call syntax turns out malformed is content in a whole response, but
-what was streamed of it as a call is not taken back.
+only ever extend what they returned before, so the deltas add up to the whole message,
+with one exception: a whole output whose tool-call syntax turns out malformed (or is cut by
+max_tokens) is content in a whole response, while a stream has sent part of it as a call
+already; that call is not taken back, and its text is not sent again as content.
 """
 
 from __future__ import annotations
@@ -48,11 +49,18 @@ class ChatOutputParser:
     Args:
         reasoning: the server's reasoning parser, or None.
         tools: the request's tool-call parser (None: no tools, or tool_choice none).
+        max_calls: keep only the first `max_calls` calls (1 for `parallel_tool_calls: false`,
+            as vLLM); None: all.
+
+    Attributes:
+        num_calls: the calls of the last parse (after a final one: of the whole output).
     """
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls
+        self.num_calls = 0
         self._sent_reasoning = 0
         self._sent_content = 0
         self._sent_args: list[int] = []  # per call sent so far: characters of its arguments
@@ -65,7 +73,7 @@ class ChatOutputParser:
             reasoning, rest = split.reasoning, split.rest
         if self.tools is not None:
             parsed = self.tools.parse(rest, final)
-            content, calls = parsed.content, parsed.tool_calls
+            content, calls = parsed.content, parsed.tool_calls[:self.max_calls]
         else:
             content = self.reasoning.content(rest) if self.reasoning is not None else rest
             calls = ()
@@ -81,6 +89,11 @@ class ChatOutputParser:
     def delta(self, text: str, final: bool) -> StreamDelta:
         """What `text` (the output so far) adds to what was sent before."""
         m = self.parse(text, final)
+        self.num_calls = len(m.tool_calls)
+        if final and self._sent_args and not m.tool_calls:
+            # the whole output's calls do not parse (malformed, or cut by max_tokens): what was
+            # streamed as a call stays one; its text is not sent again as content
+            return StreamDelta((m.reasoning or "")[self._sent_reasoning:], "", [])
         reasoning = (m.reasoning or "")[self._sent_reasoning:]
         content = (m.content or "")[self._sent_content:]
         self._sent_reasoning += len(reasoning)

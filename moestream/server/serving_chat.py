@@ -46,21 +46,24 @@ from moestream.server.serving import (
 from moestream.server.tool_parsers import NamedFunctionParser, RequiredParser, ToolParser, make_tool_parser, required_schema
 from moestream.structured_output.params import StructuredOutputsParams
 
+MIN_LOGPROB = -9999.0  # how -inf logprobs are written (vLLM's clamp)
+
 # Threads decoding images, and threads fetching remote ones (--allowed-media-domains).
 MEDIA_THREADS = 4
 FETCH_THREADS = 8
 
 
 def _logprobs(out: RequestOutput, start: int, n: int) -> ChatLogprobs:
-    """OpenAI's chat logprobs of output tokens [start:], with the top `n` per position."""
+    """OpenAI's chat logprobs of output tokens [start:], with the top `n` per position; -inf
+    (a token a constraint masked) shown as MIN_LOGPROB (-9999.0, as vLLM: JSON has no inf)."""
     c = out.outputs[0]
     content = []
     for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
         chosen = entry[token_id]
         token = chosen.decoded_token or ""
         content.append(ChatTokenLogprob(
-            token=token, logprob=chosen.logprob, bytes=list(token.encode()),
-            top_logprobs=[TopLogprob(token=p.decoded_token or "", logprob=p.logprob,
+            token=token, logprob=max(chosen.logprob, MIN_LOGPROB), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=p.decoded_token or "", logprob=max(p.logprob, MIN_LOGPROB),
                                      bytes=list((p.decoded_token or "").encode())) for _, p in top_logprobs(entry, n)],
         ))
     return ChatLogprobs(content=content)
@@ -146,6 +149,11 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
                 **(req.chat_template_kwargs or {}),
             )
+        except RecursionError:
+            where = "tools" if getattr(req, "tools", None) else (
+                "chat_template_kwargs" if getattr(req, "chat_template_kwargs", None) else "messages")
+            raise APIError(400, f"The chat template could not be applied: `{where}` is nested too deeply.",
+                           param=where) from None
         except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
             raise APIError(400, f"The chat template could not be applied to the messages: {e}", param="messages") from None
         if not isinstance(prompt, str):
@@ -261,7 +269,7 @@ class OpenAIServingChat(OpenAIServing):
             reasoning = None
         if tools is None and reasoning is None:
             return None
-        return ChatOutputParser(reasoning, tools)
+        return ChatOutputParser(reasoning, tools, max_calls=None if req.parallel_tool_calls is not False else 1)
 
     def _tool_params(self, req: ChatCompletionRequest, params: SamplingParams) -> SamplingParams:
         """`params` with what tools and reasoning need: the output constrained to the call
@@ -325,7 +333,6 @@ class OpenAIServingChat(OpenAIServing):
         sent_text = dict.fromkeys(stream.request_ids, 0)
         sent_tokens = dict.fromkeys(stream.request_ids, 0)
         parsers: dict[str, ChatOutputParser | None] = {}
-        called = dict.fromkeys(stream.request_ids, False)
         final: dict[str, RequestOutput] = {}
         async for out in stream:
             rid, c = out.request_id, out.outputs[0]
@@ -339,13 +346,12 @@ class OpenAIServingChat(OpenAIServing):
                 message = DeltaMessage(content=delta)
             else:
                 d = parser.delta(c.text, out.finished)
-                called[rid] = called[rid] or bool(d.tool_calls)
                 if not (d.content or d.reasoning or d.tool_calls or out.finished or req.logprobs):
                     continue  # a marker or a partial call: nothing to send yet
                 message = DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None,
                                        tool_calls=d.tool_calls or None)
-                if out.finished:
-                    finish_reason = _finish_reason(req, c.finish_reason, called[rid])
+                if out.finished:  # as the whole response's: calls in the final parse
+                    finish_reason = _finish_reason(req, c.finish_reason, parser.num_calls > 0)
             lp = _logprobs(out, sent_tokens[rid], req.top_logprobs or 0) if req.logprobs else None
             sent_text[rid] += len(delta)
             sent_tokens[rid] = len(c.token_ids)

@@ -36,7 +36,10 @@ class NamedFunctionParser:
         self.name = name
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        return ToolParse("", (ToolCallPart(self.name, text.strip()),))
+        args = text.strip()
+        if final and not args:  # nothing written (e.g. the model was still thinking)
+            return ToolParse("")
+        return ToolParse("", (ToolCallPart(self.name, args),))
 
 
 class RequiredParser:
@@ -52,7 +55,7 @@ class RequiredParser:
         i += 1
         while True:
             name, args, end = json_call(text, i, ("parameters", "arguments"))
-            if name is not None:
+            if name is not None and (end is not None or not final):  # a whole output keeps finished calls only
                 calls.append(ToolCallPart(name, args))
             if end is None:
                 break

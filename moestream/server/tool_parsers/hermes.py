@@ -11,6 +11,7 @@ spacing).
 
 from __future__ import annotations
 
+from moestream.reasoning.parser import partial_suffix
 from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, json_call, no_calls, parse_blocks
 
 START, END = "<tool_call>", "</tool_call>"
@@ -32,4 +33,6 @@ class HermesToolParser:
         name, args, end = json_call(block, 0, ("arguments", "parameters"))
         if done and (end is None or block[end:].strip()):
             return None
+        if end is None:  # unfinished: text that may be the start of </tool_call> is held back
+            args = args[:len(args) - partial_suffix(args, (END,))]
         return ToolCallPart(name, args) if name is not None else None
