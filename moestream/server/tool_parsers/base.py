@@ -62,13 +62,17 @@ def no_calls(text: str, marker: str, final: bool) -> ToolParse:
     return ToolParse(text if final else text[:len(text) - partial_suffix(text, (marker,))])
 
 
-def parse_blocks(text: str, first: int, begin: str, end: str, final: bool,
+def parse_blocks(text: str, section: str, begin: str, end: str, final: bool,
                  read: Callable[[str, bool], ToolCallPart | None]) -> ToolParse:
-    """The calls of the `begin`...`end` blocks from `text[first:]`, the content being
-    `text[:first]`. `read(block, done)` reads one block's inside (`done`: it is closed or the
+    """The calls of the `begin`...`end` blocks after the first `section` marker (the start of
+    the calls), the content being the text before it; without one, all content
+    (`no_calls`). `read(block, done)` reads one block's inside (`done`: it is closed or the
     output is whole) and returns None when it is malformed (done) or names no function yet.
     A malformed block makes a whole output all content; while streaming, parsing stops there.
     """
+    first = text.find(section)
+    if first < 0:
+        return no_calls(text, section, final)
     calls: list[ToolCallPart] = []
     i = text.find(begin, first)
     while i >= 0:

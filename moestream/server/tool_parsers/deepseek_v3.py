@@ -12,7 +12,7 @@ between its "```json" line and the closing fence, as the model wrote it.
 from __future__ import annotations
 
 from moestream.reasoning.parser import partial_suffix
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, parse_blocks
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -25,10 +25,7 @@ class DeepSeekV3ToolParser:
     needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        first = text.find(CALLS_BEGIN)
-        if first < 0:
-            return no_calls(text, CALLS_BEGIN, final)
-        return parse_blocks(text, first, CALL_BEGIN, CALL_END, final, self._read)
+        return parse_blocks(text, CALLS_BEGIN, CALL_BEGIN, CALL_END, final, self._read)
 
     @staticmethod
     def _read(block: str, done: bool) -> ToolCallPart | None:

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, parse_blocks
 
 START, END = "<tool_call>", "</tool_call>"
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
@@ -39,10 +39,7 @@ class Glm45ToolParser:
             for t in tools or () if isinstance(t.get("function"), dict) and "name" in t["function"]}
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        first = text.find(START)
-        if first < 0:
-            return no_calls(text, START, final)
-        return parse_blocks(text, first, START, END, final, self._read)
+        return parse_blocks(text, START, START, END, final, self._read)
 
     def _read(self, block: str, done: bool) -> ToolCallPart | None:
         name, newline, rest = block.partition("\n")

@@ -12,7 +12,7 @@ spacing).
 from __future__ import annotations
 
 from moestream.reasoning.parser import partial_suffix
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, json_call, no_calls, parse_blocks
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, json_call, parse_blocks
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -23,10 +23,7 @@ class HermesToolParser:
     needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        first = text.find(START)
-        if first < 0:
-            return no_calls(text, START, final)
-        return parse_blocks(text, first, START, END, final, self._read)
+        return parse_blocks(text, START, START, END, final, self._read)
 
     @staticmethod
     def _read(block: str, done: bool) -> ToolCallPart | None:

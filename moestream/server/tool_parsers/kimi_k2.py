@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from moestream.reasoning.parser import partial_suffix
-from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, no_calls, parse_blocks
+from moestream.server.tool_parsers.base import ToolCallPart, ToolParse, parse_blocks
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -24,10 +24,7 @@ class KimiK2ToolParser:
     needs_special_tokens = True
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        first = text.find(SECTION_BEGIN)
-        if first < 0:
-            return no_calls(text, SECTION_BEGIN, final)
-        return parse_blocks(text, first, CALL_BEGIN, CALL_END, final, self._read)
+        return parse_blocks(text, SECTION_BEGIN, CALL_BEGIN, CALL_END, final, self._read)
 
     @staticmethod
     def _read(block: str, done: bool) -> ToolCallPart | None:
