@@ -223,7 +223,7 @@ def _transposed(cfg: ModelConfig) -> bool:
 def _fused_names(cfg: ModelConfig, reader: CheckpointReader, layer: int) -> tuple[str, str] | None:
     """The fused 3-D expert tensors of `layer` when the checkpoint stores them instead of
     per-expert ones (a per-expert name wins when both are present); else None."""
-    if _expert_names(cfg, layer, 0)[0] in reader:
+    if _expert_names(cfg, layer, 0)[1] in reader:  # the up projection: every expert has one
         return None
     gate_up, down = (_prefixed(cfg, n.format(l=layer)) for n in get_model_class(cfg.model_type).fused_expert_names)
     return (gate_up, down) if gate_up in reader else None
@@ -232,7 +232,8 @@ def _fused_names(cfg: ModelConfig, reader: CheckpointReader, layer: int) -> tupl
 def load_resident_experts(
     cfg: ModelConfig, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, store: ResidentExpertStore
 ) -> None:
-    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H], down [E, H, I]),
+    """Stack every layer's routed experts into `store` (gate_up [E, 2I, H] (ungated experts:
+    [E, I, H], the up projection), down [E, H, I]),
     from per-expert tensors or the fused 3-D ones (the model class's `fused_expert_names`; transposed for a
     model class with `fused_experts_transposed`, gpt-oss, and transposed back here).
 
@@ -240,7 +241,7 @@ def load_resident_experts(
         ValueError: see CheckpointReader (a missing, misshapen or non-float tensor, or an
             unreadable file).
     """
-    inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    inter, hidden, num, rows = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts, cfg.gate_up_rows
     moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
     with tqdm(total=len(moe_layers) * num, desc="Loading experts", unit="expert", disable=None) as bar:
         for layer in moe_layers:
@@ -252,17 +253,18 @@ def load_resident_experts(
                 bar.update(num)
                 continue
             if fused is not None:
-                gate_up = reader.get(fused[0], (num, 2 * inter, hidden)).to(device=device, dtype=dtype)
+                gate_up = reader.get(fused[0], (num, rows, hidden)).to(device=device, dtype=dtype)
                 down = reader.get(fused[1], (num, hidden, inter)).to(device=device, dtype=dtype)
                 store.set_layer(layer, gate_up, down)
                 bar.update(num)
                 continue
-            gate_up = torch.empty(num, 2 * inter, hidden, dtype=dtype, device=device)  # [E, 2I, H]
+            gate_up = torch.empty(num, rows, hidden, dtype=dtype, device=device)  # [E, 2I, H] ([E, I, H] ungated)
             down = torch.empty(num, hidden, inter, dtype=dtype, device=device)  # [E, H, I]
             for e in range(num):
                 gate_name, up_name, down_name = _expert_names(cfg, layer, e)
-                gate_up[e, :inter] = reader.get(gate_name, (inter, hidden))
-                gate_up[e, inter:] = reader.get(up_name, (inter, hidden))
+                if rows > inter:
+                    gate_up[e, :inter] = reader.get(gate_name, (inter, hidden))
+                gate_up[e, rows - inter:] = reader.get(up_name, (inter, hidden))
                 down[e] = reader.get(down_name, (hidden, inter))
                 bar.update()
             store.set_layer(layer, gate_up, down)
@@ -274,7 +276,8 @@ def expert_locations(
     """(layer, expert) -> byte locations of its gate, up and down weights, for paging from disk.
     With fused 3-D tensors (the model class's `fused_expert_names`) these are slices of them: expert e's gate
     and up are rows [e, :I] and [e, I:] of gate_up_proj, its down is down_proj[e], each
-    contiguous in the file, so they are read in place. Transposed fused tensors (gpt-oss)
+    contiguous in the file, so they are read in place. Ungated experts (Nemotron-H) have no
+    gate: its location is None. Transposed fused tensors (gpt-oss)
     give two locations, gate_up_proj[e] [H, 2I] and down_proj[e] [I, H], which
     `DiskTier.read_into` transposes as it copies.
 
@@ -298,23 +301,26 @@ def expert_locations(
                 )
             continue
         if fused is not None:
-            gate_up, down = reader.locate(fused[0], (num, 2 * inter, hidden)), reader.locate(fused[1], (num, hidden, inter))
-            size = gate_up.nbytes // (num * 2 * inter * hidden)  # bytes per element
+            parts = cfg.gate_up_rows // inter  # 2: gate and up; 1: up alone (ungated)
+            gate_up, down = reader.locate(fused[0], (num, parts * inter, hidden)), reader.locate(fused[1], (num, hidden, inter))
+            size = gate_up.nbytes // (num * parts * inter * hidden)  # bytes per element
             block = inter * hidden * size  # bytes of one [I, H] or [H, I] matrix
             for e in range(num):
                 out[(layer, e)] = (
                     dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}, :{inter}]",
-                                        offset=gate_up.offset + 2 * e * block, nbytes=block, shape=(inter, hidden)),
-                    dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}, {inter}:]",
-                                        offset=gate_up.offset + (2 * e + 1) * block, nbytes=block, shape=(inter, hidden)),
+                                        offset=gate_up.offset + 2 * e * block, nbytes=block, shape=(inter, hidden))
+                    if parts == 2 else None,
+                    dataclasses.replace(gate_up, name=f"{gate_up.name}[{e}, {inter * (parts - 1)}:]",
+                                        offset=gate_up.offset + (parts * e + parts - 1) * block, nbytes=block,
+                                        shape=(inter, hidden)),
                     dataclasses.replace(down, name=f"{down.name}[{e}]", offset=down.offset + e * block, nbytes=block,
                                         shape=(hidden, inter)),
                 )
             continue
         for e in range(num):
             gate, up, down = _expert_names(cfg, layer, e)
-            out[(layer, e)] = (reader.locate(gate, (inter, hidden)), reader.locate(up, (inter, hidden)),
-                               reader.locate(down, (hidden, inter)))
+            out[(layer, e)] = (reader.locate(gate, (inter, hidden)) if cfg.expert_activation.gated else None,
+                               reader.locate(up, (inter, hidden)), reader.locate(down, (hidden, inter)))
     return out
 
 
@@ -344,8 +350,11 @@ def packed_experts(
         matrices = (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))
         def bases(layer: int, e: int) -> tuple[str, ...]:
             return tuple(n.removesuffix(".weight") for n in _expert_names(cfg, layer, e))
-    if not method.is_quantized(reader, bases(moe_layers[0], 0)[0]):
+    if not method.is_quantized(reader, bases(moe_layers[0], 0)[-1]):
         return None
+    if not cfg.expert_activation.gated:
+        raise ValueError(f"this checkpoint's routed experts are stored quantized ({method.name}); quantized ungated "
+                         f"experts ({cfg.model_type}) are not supported yet: use a bf16 checkpoint")
     lead = (num,) if method.fused_experts else ()  # fused tensors: [E, *part shape]
 
     def locate(layer: int, e: int) -> list[tuple[str, str, TensorLocation]]:

@@ -57,7 +57,12 @@ def granite_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("granite")), "granitemoehybrid", seed=4)
 
 
-@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe", "granite"])
+@pytest.fixture(scope="session")
+def nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("nemotron_h")), "nemotron_h", seed=5)
+
+
+@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe", "granite", "nemotron_h"])
 def hybrid_dir(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -31,6 +31,10 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "qwen3_5_moe_vl": ("Qwen3.5-MoE", (*COMMON, "num_experts", "moe_intermediate_size")),
     "granite": ("Granite-4.0-H", (*COMMON, "num_local_experts", "intermediate_size", "shared_intermediate_size",
                                   "mamba_n_heads", "mamba_d_head", "mamba_d_state")),
+    # the layer count comes from layers_block_type, so num_hidden_layers is not needed
+    "nemotron_h": ("Nemotron-H", ("hidden_size", "num_attention_heads", "vocab_size", "num_experts_per_tok",
+                                  "n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                                  "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size")),
 }
 CASES = [(model, field) for model, (_, fields) in REQUIRED.items() for field in fields]
 
@@ -71,7 +75,8 @@ def test_fixture_configs_are_valid(request: pytest.FixtureRequest, tmp_path, mod
     _write(tmp_path, _hf_config(request, model))
     cfg = model_config_from_hf(str(tmp_path))
     assert cfg.hidden_size == 64 and cfg.num_experts == 8
-    assert cfg.weight_prefix == ("model.language_model." if model == "qwen3_5_moe_vl" else "model.")
+    prefixes = {"qwen3_5_moe_vl": "model.language_model.", "nemotron_h": "backbone."}
+    assert cfg.weight_prefix == prefixes.get(model, "model.")
 
 
 @pytest.mark.parametrize(("model", "field"), CASES)
@@ -149,6 +154,40 @@ def test_bad_granite_field_names_it(request: pytest.FixtureRequest, tmp_path, fi
     cfg[field] = value
     path = _write(tmp_path, cfg)
     with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
+        model_config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("layers_block_type", ["linear_attention", "dense"], "must list one of linear_attention, full_attention, moe, "
+                                                         "mlp per layer; got ['linear_attention', 'dense']"),
+    ("layers_block_type", ..., "(or 'hybrid_override_pattern') is missing; a Nemotron-H config needs it"),
+    ("n_groups", 3, "is 3; it must divide the 4 mamba_num_heads"),
+    ("mlp_hidden_act", "silu", "is 'silu'; moestream supports Nemotron-H with 'relu2' only"),
+    ("moe_latent_size", 32, "is set: latent MoE projections (Nemotron 3 Super) are not supported yet"),
+])
+def test_bad_nemotron_h_field_names_it(request: pytest.FixtureRequest, tmp_path, field: str, value: Any,
+                                       problem: str) -> None:
+    cfg = _hf_config(request, "nemotron_h")
+    _set(cfg, "nemotron_h", field, value)
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
+        model_config_from_hf(str(tmp_path))
+
+
+def test_nemotron_h_pattern_string_equals_the_block_list(request: pytest.FixtureRequest, tmp_path) -> None:
+    """Older Nemotron-H configs give the layers as `hybrid_override_pattern` (M * E -)."""
+    cfg = _hf_config(request, "nemotron_h")
+    types = cfg.pop("layers_block_type")
+    cfg["hybrid_override_pattern"] = "M E*ME-".replace(" ", "")
+    _write(tmp_path, cfg)
+    parsed = model_config_from_hf(str(tmp_path))
+    assert parsed.layer_types == tuple(types) and parsed.num_layers == 6
+    assert parsed.moe_layers == (False, True, False, False, True, False)
+    assert (parsed.attention_layers, parsed.linear_layers) == ([2], [0, 3])
+    cfg["hybrid_override_pattern"] = "MEX"
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=_expect(path, "field 'hybrid_override_pattern' must be a non-empty string "
+                                                       "of M, *, E and -; got 'MEX'")):
         model_config_from_hf(str(tmp_path))
 
 

@@ -275,25 +275,31 @@ def _fuse_experts(src: str, dst: str) -> int:
     experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     out = {}
     for name, t in tensors.items():
-        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        m = re.match(r"(.*\.(?:mlp|mixer)\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
         if m is None:
             out[name] = t
         else:
             experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
     for stem, by_expert in experts.items():
         order = sorted(by_expert)
-        out[f"{stem}.gate_up_proj"] = torch.stack([torch.cat((by_expert[e]["gate"], by_expert[e]["up"])) for e in order])
+        if "gate" not in by_expert[order[0]]:  # ungated experts (Nemotron-H): up_proj [E, I, H]
+            out[f"{stem}.up_proj"] = torch.stack([by_expert[e]["up"] for e in order])
+        else:
+            out[f"{stem}.gate_up_proj"] = torch.stack([torch.cat((by_expert[e]["gate"], by_expert[e]["up"]))
+                                                       for e in order])
         out[f"{stem}.down_proj"] = torch.stack([by_expert[e]["down"] for e in order])
     save_file(out, os.path.join(dst, "model.safetensors"))
     return len(experts)
 
 
-@pytest.mark.parametrize("which", ["qwen3_moe", "deepseek_v3"])
-def test_fused_expert_tensors_load_in_place(which: str, qwen3_moe_dir: str, checkpoints, tmp_path_factory,
+@pytest.mark.parametrize("which", ["qwen3_moe", "deepseek_v3", "nemotron_h"])
+def test_fused_expert_tensors_load_in_place(which: str, request: pytest.FixtureRequest, checkpoints, tmp_path_factory,
                                             tmp_path) -> None:
     """A checkpoint with fused 3-D expert tensors gives the per-expert checkpoint's output,
-    resident and paged (the paged store reads each expert's slice of the fused tensor)."""
-    src = qwen3_moe_dir if which == "qwen3_moe" else _dir(checkpoints, tmp_path_factory, which)
+    resident and paged (the paged store reads each expert's slice of the fused tensor;
+    Nemotron-H's ungated experts: up_proj [E, I, H] and down_proj)."""
+    src = (_dir(checkpoints, tmp_path_factory, which) if which == "deepseek_v3"
+           else request.getfixturevalue(f"{which}_dir"))
     dst = str(tmp_path / "fused")
     assert _fuse_experts(src, dst) == sum(model_config_from_hf(src).moe_layers)
     prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:3]]

@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE): parity with HF float32 for 8 prompts decoded
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H, Nemotron-H): parity with HF float32 for 8 prompts decoded
 together, with forced state swapping (2 device slots for 8 requests), chunked prefill at
 several budgets, paged experts, KV memory only for full-attention layers, and the
 multimodal Qwen3.5-MoE checkpoint layout."""
@@ -59,11 +59,14 @@ def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == 2
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64])
-def test_chunked_prefill_equals_single_shot(qwen3_next_dir: str, budget: int) -> None:
+@pytest.mark.parametrize(("model", "budget"), [("qwen3_next", 1), ("qwen3_next", 7), ("qwen3_next", 64),
+                                               ("nemotron_h", 1), ("nemotron_h", 7)])
+def test_chunked_prefill_equals_single_shot(request: pytest.FixtureRequest, model: str, budget: int) -> None:
+    """Token budgets that do not divide the prompts (and, for Mamba-2, cross its SSD chunk of 16)."""
+    model_dir = request.getfixturevalue(f"{model}_dir")
     prompts = parity_prompts()
-    single = _generate(LLM(qwen3_next_dir, dtype="float32", max_model_len=128), prompts, 8)
-    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8)
+    single = _generate(LLM(model_dir, dtype="float32", max_model_len=128), prompts, 8)
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=budget, max_num_seqs=8)
     chunked = _generate(llm, prompts, 8)
     for (tok_a, rec_a), (tok_b, rec_b), p in zip(single, chunked, prompts):
         assert tok_a == tok_b, f"budget {budget}, prompt len {len(p)}: {tok_b} != single-shot {tok_a}"
@@ -86,16 +89,25 @@ def test_kv_cache_only_for_full_attention_layers(qwen3_next_dir: str) -> None:
     assert pool.bytes_per_request == 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
 
 
-def test_paged_experts_bit_exact(qwen3_5_moe_dir: str) -> None:
+@pytest.mark.parametrize("model", ["qwen3_5_moe", "nemotron_h"])
+def test_paged_experts_bit_exact(request: pytest.FixtureRequest, model: str) -> None:
+    """A quarter of the experts, and the minimum budget (top_k experts' bytes: Nemotron-H's
+    ungated experts are (I + I) x H, not 3 x I x H)."""
+    model_dir = request.getfixturevalue(f"{model}_dir")
+    cfg = model_config_from_hf(model_dir)
     prompts = parity_prompts()[:4]
     # Same state-slot grouping in both runs, so both forwards see the same batch shapes.
-    resident = _generate(LLM(qwen3_5_moe_dir, dtype="float32", max_model_len=128, max_resident_states=3), prompts, 12)
-    llm = LLM(qwen3_5_moe_dir, dtype="float32", max_model_len=128, expert_budget=0.25, max_resident_states=3)
-    paged = _generate(llm, prompts, 12)
-    assert llm.expert_stats()["misses"] > 0
-    for (ta, ra), (tb, rb) in zip(resident, paged):
-        assert ta == tb
-        assert all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits))
+    resident = _generate(LLM(model_dir, dtype="float32", max_model_len=128, max_resident_states=3), prompts, 12)
+    for budget in (0.25, cfg.num_experts_per_tok * cfg.expert_numel * 4):
+        llm = LLM(model_dir, dtype="float32", max_model_len=128, expert_budget=budget, max_resident_states=3)
+        paged = _generate(llm, prompts, 12)
+        stats = llm.expert_stats()
+        assert stats["misses"] > 0 and stats["resident"] is False
+        if budget > 1:
+            assert llm.llm_engine.expert_store.num_slots == cfg.num_experts_per_tok
+        for (ta, ra), (tb, rb) in zip(resident, paged):
+            assert ta == tb
+            assert all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits))
 
 
 def test_multimodal_checkpoint_loads_language_model(tmp_path, caplog: pytest.LogCaptureFixture) -> None:

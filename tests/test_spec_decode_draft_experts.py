@@ -38,7 +38,8 @@ def _no_leaks(llm: LLM) -> None:
         assert engine.state_pool.num_resident() == 0
 
 
-@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "granite"])
+# one model per MoE block and mixer (Qwen3.5-MoE would repeat Qwen3-Next's GDN and MoE block)
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "granite", "nemotron_h"])
 def any_model(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -277,22 +277,42 @@ def test_drafts_the_grammar_forbids_are_rejected_with_exact_counts(right: int) -
     assert (stats["num_drafts"], stats["num_accepted_tokens"]) == drafter.expected(0, max_tokens, k)
 
 
-def test_a_slow_compile_is_a_400_and_finishes_in_the_background(compact_server) -> None:
+def test_a_slow_compile_is_a_400_and_finishes_in_the_background(compact_server, monkeypatch) -> None:
     """A grammar that does not compile within compile_timeout is refused (400 naming the
-    field) while the server goes on serving; with time to compile, the same request works."""
+    field) while the server goes on serving; the compile finishes in the background and caches,
+    so the same request then works. (The compile is held on an event: a real compile of a small
+    regex can beat any timeout, which made this test flaky.)"""
+    import threading
+
     from moestream import EngineConfig
 
     with pytest.raises(ValueError, match=r"compile_timeout \(seconds > 0\)"):
         EngineConfig(model=demo_model_path(), structured_outputs_config={"compile_timeout": 0})
     body = {"prompt": "x", "max_tokens": 8, "temperature": 0, "structured_outputs": {"regex": "[a-f]{2}-[0-9]{5}"}}
     engine = compact_server.async_engine
-    engine.compile_timeout = 1e-5  # anything uncached takes longer
+    backend = engine.engine.grammar_backend
+    release, finished = threading.Event(), threading.Event()
+    real_compile = backend.compile
+
+    def held_compile(params):
+        release.wait(30)
+        try:
+            return real_compile(params)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(backend, "compile", held_compile)
+    engine.compile_timeout = 0.05
     try:
         r = compact_server.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
-        assert "did not compile within 1e-05 s" in r.json()["error"]["message"]
+        assert "did not compile within 0.05 s" in r.json()["error"]["message"]
         assert compact_server.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        release.set()
+        assert finished.wait(30)
     finally:
+        release.set()
         engine.compile_timeout = 10.0
+    monkeypatch.undo()
     r = compact_server.post("/v1/completions", json=body)
     assert r.status_code == 200 and re.fullmatch("[a-f]{2}-[0-9]{5}", r.json()["choices"][0]["text"])

@@ -1,5 +1,5 @@
 """Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE,
-DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss) with a real tokenizer.
+DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, Granite-4.0-H, Nemotron-H) with a real tokenizer.
 
 Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
 Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
@@ -18,7 +18,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 TOKENIZERS = {
     "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
     "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2", "gpt_oss": "qwen2",
-    "granitemoehybrid": "qwen2",
+    "granitemoehybrid": "qwen2", "nemotron_h": "qwen2",
 }
 _QWEN2_VOCAB = dict(vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
 # MLA fixtures: 4 heads of 16 (nope) + 8 (rope) query/key dims, 16 value dims, a latent of 32;
@@ -54,8 +54,18 @@ GRANITE = dict(
     mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
     embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=3.0, **_QWEN2_VOCAB,
 )
+# Nemotron-H: one block per layer: Mamba-2, MoE, attention (no RoPE) next to a Mamba-2 block, MoE,
+# dense relu^2 MLP; sigmoid routing with a correction bias over 8 ungated relu^2 experts (top-2,
+# scaled by 2.5) plus a shared one; 4 SSM heads of 32 in 2 groups.
+NEMOTRON_H = dict(
+    layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "moe", "mlp"],
+    head_dim=16, intermediate_size=48, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+    n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+    mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+    **_QWEN2_VOCAB,
+)
 _PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS,
-            "granitemoehybrid": GRANITE}
+            "granitemoehybrid": GRANITE, "nemotron_h": NEMOTRON_H}
 # Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
 HYBRID = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -150,7 +160,7 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, biases=model_type == "gpt_oss")
-    if model_type == "granitemoehybrid":
+    if model_type in ("granitemoehybrid", "nemotron_h"):
         _randomize_mamba(model)
     model.save_pretrained(out_dir)
     _copy_tokenizer(tok_dir, out_dir)

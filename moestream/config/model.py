@@ -102,7 +102,7 @@ class Mamba2Config:
         return self.num_heads * self.head_dim + 2 * self.num_groups * self.state_size
 
 
-EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swigluoai")
+EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swigluoai", "relu2")
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,8 @@ class ExpertActivation:
     "swigluoai": gpt-oss's clamped SwiGLU (vLLM's `SwigluOAIAndMul`, transformers'
     `GptOssExperts._apply_gate`): outputs interleaved (gate 2j, up 2j + 1), gate clamped to
     at most `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+    "relu2": Nemotron-H's ungated experts, relu(up)^2: the expert has no gate, its "gate_up"
+    projection is the up projection alone ([I, H], output [n, I]).
     `bias`: each expert's projections have biases (gpt-oss: gate_up [2I] and down [H]).
     """
 
@@ -120,6 +122,11 @@ class ExpertActivation:
     alpha: float = 1.0
     limit: float = 0.0
     bias: bool = False
+
+    @property
+    def gated(self) -> bool:
+        """Whether the experts have a gate projection (gate_up is [2I, H]) or not ([I, H])."""
+        return self.name != "relu2"
 
 
 @dataclass(frozen=True)
@@ -258,6 +265,17 @@ class ModelConfig:
     def linear_layers(self) -> list[int]:
         """Decoder indices of linear-attention (Gated DeltaNet) layers."""
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def gate_up_rows(self) -> int:
+        """Rows of one routed expert's gate_up matrix: 2I (gate and up) or, for ungated
+        experts (`expert_activation.gated` False, Nemotron-H), I (up alone)."""
+        return (2 if self.expert_activation.gated else 1) * self.moe_intermediate_size
+
+    @property
+    def expert_numel(self) -> int:
+        """Weights of one routed expert: gate_up plus down, (gate_up_rows + I) * H."""
+        return (self.gate_up_rows + self.moe_intermediate_size) * self.hidden_size
 
     @property
     def kv_cache_dims(self) -> tuple[int, int, int]:

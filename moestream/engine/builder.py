@@ -14,6 +14,7 @@ from moestream.config import EngineConfig, ModelConfig, resolve_dtype
 from moestream.engine.args import check_engine_config
 from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
 from moestream.engine.input_processor import InputProcessor
+from moestream.kernels.fused_moe import ACT_CODES
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, kv_cache_groups, num_kv_blocks
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
@@ -151,8 +152,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     packed = packed_experts(mcfg, reader, method)  # (layout, locations) when the experts are stored quantized
     elem = torch.tensor([], dtype=dtype).element_size()
     plan = plan_experts(config.expert_budget, len(moe_layers) * mcfg.num_experts,
-                        packed[0].nbytes if packed else 3 * mcfg.moe_intermediate_size * mcfg.hidden_size * elem,
+                        packed[0].nbytes if packed else mcfg.expert_numel * elem,
                         mcfg.num_experts_per_tok, len(pinned), config.expert_host_cache_bytes)
+    if config.enable_elastic_memory and not mcfg.expert_activation.gated:
+        raise ValueError(f"enable_elastic_memory does not support ungated experts ({mcfg.model_type}) yet; turn it off")
     elastic = _make_elastic_memory(config, mcfg, plan, max_model_len, dtype, device) if (
         config.enable_elastic_memory) else None
     store: ResidentExpertStore | PagedExpertStore
@@ -167,6 +170,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             compute_in_place=device.type == "cpu",
             slot_views=elastic.expert_views() if elastic is not None else None,
             layout=packed[0] if packed else None,
+            gated=mcfg.expert_activation.gated,
         )
     paged_attention = use_cpu_kernel(config.attention_backend, "attention_backend", "cpu_paged", device, dtype,
                                      config.batch_invariant)
@@ -174,6 +178,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model = build_model(mcfg, reader, dtype, device, backend, store, method)
     if config.batch_invariant:
         model.set_row_tile(BATCH_INVARIANT_ROW_TILE)
+    if config.moe_runner_backend == "fused_cpu" and mcfg.expert_activation.name not in ACT_CODES:
+        raise ValueError(f"moe_runner_backend fused_cpu does not run {mcfg.expert_activation.name} experts "
+                         f"({mcfg.model_type}) yet; use auto")
     fused_moe = use_cpu_kernel(config.moe_runner_backend, "moe_runner_backend", "fused_cpu", device, dtype,
                                config.batch_invariant)
     model.set_fused_moe(fused_moe)

@@ -75,6 +75,7 @@ class PagedExpertStore:
         layout: a quantized checkpoint's `PackedLayout`: slots and the host cache hold each
             expert's packed bytes (`layout.nbytes`, the `expert_bytes`), which the executor
             dequantizes; None: dense experts in `dtype`.
+        gated: False for ungated experts (Nemotron-H): gate_up is the up projection [I, H].
 
     Raises:
         ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode or target.
@@ -101,6 +102,7 @@ class PagedExpertStore:
         compute_in_place: bool = False,
         slot_views: Sequence[ExpertWeights] | None = None,
         layout: PackedLayout | None = None,
+        gated: bool = True,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
@@ -121,17 +123,19 @@ class PagedExpertStore:
             data = torch.empty(num_slots, layout.nbytes, dtype=torch.uint8, device=device)  # [S, nbytes]
             slot_views = [PackedExpert(data[i], layout) for i in range(num_slots)]
         elif slot_views is None:
-            gate_up = torch.empty(num_slots, 2 * inter, hidden, dtype=dtype, device=device)  # [S, 2I, H]
+            rows = (2 if gated else 1) * inter
+            gate_up = torch.empty(num_slots, rows, hidden, dtype=dtype, device=device)  # [S, 2I, H] ([S, I, H] ungated)
             down = torch.empty(num_slots, hidden, inter, dtype=dtype, device=device)  # [S, H, I]
             slot_views = [ExpertWeights(gate_up[i], down[i]) for i in range(num_slots)]
         self._views: dict[int, ExpertWeights | PackedExpert] = dict(enumerate(slot_views[:num_slots]))  # slot -> memory
         self.min_slots = top_k + len(pinned)
         self.layout = layout
         self.expert_bytes = layout.nbytes if layout is not None else (
-            3 * inter * hidden * torch.empty(0, dtype=dtype).element_size())
+            (3 if gated else 2) * inter * hidden * torch.empty(0, dtype=dtype).element_size())
         self._disk = DiskTier(locations)
         self._prefetch_disk = DiskTier(locations)
-        self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda", layout=layout)
+        self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda", layout=layout,
+                               gated=gated)
         self._slot_of: dict[ExpertKey, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._loading: set[ExpertKey] = set()

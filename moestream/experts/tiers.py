@@ -85,7 +85,7 @@ class DiskTier:
     """Reads experts' gate, up and down weights from the checkpoint files by offset.
 
     Dense checkpoints: `locations[key]` = (gate, up, down) TensorLocations with shapes
-    [I, H], [I, H], [H, I], or (gate_up, down) with shapes [H, 2I], [I, H] (gpt-oss). Reads use `os.preadv` into a reusable staging buffer, then one
+    [I, H], [I, H], [H, I] (gate None for ungated experts, Nemotron-H), or (gate_up, down) with shapes [H, 2I], [I, H] (gpt-oss). Reads use `os.preadv` into a reusable staging buffer, then one
     dtype-converting copy into the destination (the same conversion the resident loader
     does, so bit-exact). Quantized checkpoints: `locations[key]` = the expert's stored
     tensors in its `PackedLayout`'s order, read as bytes into a `PackedExpert` (straight
@@ -143,6 +143,10 @@ class DiskTier:
             down.copy_(self._read(dn).T)
             return gu.nbytes + dn.nbytes
         gate, up, dn = self.locations[key]
+        if gate is None:  # ungated (Nemotron-H): gate_up is the up projection [I, H]
+            gate_up.copy_(self._read(up))
+            down.copy_(self._read(dn))
+            return up.nbytes + dn.nbytes
         inter = gate.shape[0]
         gate_up[:inter].copy_(self._read(gate))
         gate_up[inter:].copy_(self._read(up))
@@ -161,7 +165,7 @@ class DiskTier:
         if not hasattr(os, "posix_fadvise"):
             return 0
         total = 0
-        for loc in self.locations[key]:
+        for loc in filter(None, self.locations[key]):
             os.posix_fadvise(self._fd(loc.path), loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED)
             total += loc.nbytes
         return total
@@ -176,12 +180,12 @@ class DiskTier:
 
 
 def empty_expert(inter: int, hidden: int, dtype: torch.dtype, device: torch.device | str, pin: bool = False,
-                 layout: PackedLayout | None = None) -> ExpertWeights | PackedExpert:
-    """An uninitialised buffer for one expert: dense gate_up [2I, H] and down [H, I] in
-    `dtype`, or, with a `layout`, a PackedExpert of uint8 [layout.nbytes]."""
+                 layout: PackedLayout | None = None, gated: bool = True) -> ExpertWeights | PackedExpert:
+    """An uninitialised buffer for one expert: dense gate_up [2I, H] ([I, H] when not `gated`)
+    and down [H, I] in `dtype`, or, with a `layout`, a PackedExpert of uint8 [layout.nbytes]."""
     if layout is not None:
         return PackedExpert(torch.empty(layout.nbytes, dtype=torch.uint8, device=device, pin_memory=pin), layout)
-    return ExpertWeights(torch.empty(2 * inter, hidden, dtype=dtype, device=device, pin_memory=pin),
+    return ExpertWeights(torch.empty((2 if gated else 1) * inter, hidden, dtype=dtype, device=device, pin_memory=pin),
                          torch.empty(hidden, inter, dtype=dtype, device=device, pin_memory=pin))
 
 
@@ -197,11 +201,13 @@ def copy_expert(dst: ExpertWeights | PackedExpert, src: ExpertWeights | PackedEx
 class HostCache:
     """LRU cache of experts in host memory (pinned when the device is CUDA), in the compute
     dtype, or packed (`layout`: the checkpoint's quantized bytes), holding at most
-    `capacity` experts. Thread-safety is the caller's (the store's lock)."""
+    `capacity` experts (`gated` False: ungated experts, gate_up [I, H]). Thread-safety is the
+    caller's (the store's lock)."""
 
     def __init__(self, capacity: int, inter: int, hidden: int, dtype: torch.dtype, pin: bool,
-                 layout: PackedLayout | None = None) -> None:
+                 layout: PackedLayout | None = None, gated: bool = True) -> None:
         self.capacity = capacity
+        self._gated = gated
         self._shape = (inter, hidden)
         self._dtype = dtype
         self._pin = pin
@@ -229,7 +235,7 @@ class HostCache:
                 return None
             w = self._entries.pop(victim)
         else:
-            w = empty_expert(*self._shape, self._dtype, "cpu", self._pin, self._layout)
+            w = empty_expert(*self._shape, self._dtype, "cpu", self._pin, self._layout, self._gated)
         self._entries[key] = w
         return w
 

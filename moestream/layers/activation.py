@@ -52,13 +52,14 @@ def sigmoid(x: torch.Tensor, invariant: bool = False) -> torch.Tensor:
 
 
 def gated_activation(y: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
-    """An expert's gated activation: y [n, 2I] (its gate_up projection) -> [n, I], y's dtype.
+    """An expert's activation: y [n, 2I] (its gate_up projection; [n, I] ungated) -> [n, I], y's dtype.
 
     "silu": silu(y[:, :I]) * y[:, I:], with the aligned silu (the resident executor may run
     it over many experts' rows at once, the paged one per expert; torch's scalar tail would
     round some elements differently otherwise). "swigluoai": gate = y[:, 0::2], up =
     y[:, 1::2], gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate *
-    sigmoid(alpha * gate), op for op as transformers' `GptOssExperts._apply_gate`.
+    sigmoid(alpha * gate), op for op as transformers' `GptOssExperts._apply_gate`. "relu2"
+    (ungated, y [n, I] the up projection): relu(y)^2, as transformers' ReLUSquaredActivation.
 
     Raises:
         ValueError: an activation name not in EXPERT_ACTIVATIONS.
@@ -71,4 +72,6 @@ def gated_activation(y: torch.Tensor, act: ExpertActivation) -> torch.Tensor:
         gate = gate.clamp(min=None, max=act.limit)
         up = up.clamp(min=-act.limit, max=act.limit)
         return (up + 1) * (gate * sigmoid(gate * act.alpha, invariant=True))
+    if act.name == "relu2":
+        return torch.square(F.relu(y))
     raise ValueError(f"unsupported expert activation '{act.name}'; supported: {', '.join(EXPERT_ACTIVATIONS)}")

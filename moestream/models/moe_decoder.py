@@ -19,6 +19,7 @@ from torch import nn
 from moestream.config import ModelConfig
 from moestream.models.config_fields import HFConfigFields
 from moestream.experts.interface import ExpertStore
+from moestream.kernels.fused_moe import ACT_CODES
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Embedding, Linear
@@ -40,6 +41,7 @@ class DecoderLayer(nn.Module):
         offset = cfg.norm_unit_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.is_linear = isinstance(mixer, RecurrentMixer)
+        self.has_kv_cache = not self.is_linear
         if self.is_linear:
             self.linear_attn = mixer
         else:
@@ -198,8 +200,8 @@ class MoEForCausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:  # Granite
             x = x * self.config.embedding_multiplier
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
-        for layer in self.model.layers:
-            cache = next(state_iter) if layer.is_linear else next(kv_iter)
+        for layer in self.model.layers:  # a layer keeps a state, a KV cache, or (Nemotron-H's MLP blocks) neither
+            cache = next(state_iter) if layer.is_linear else next(kv_iter) if layer.has_kv_cache else None
             x = layer(positions, x, cache, meta, state_meta)
         return self.model.norm(x)
 
@@ -209,10 +211,11 @@ class MoEForCausalLM(nn.Module):
 
     def set_fused_moe(self, fused: bool) -> None:
         """Run every routed-expert layer through the fused CPU kernel where it applies
-        (`fused_applies` in layers/expert_executor.py), or never."""
+        (`fused_applies` in layers/expert_executor.py; the kernel's activations, `ACT_CODES`),
+        or never."""
         for module in self.modules():
             if isinstance(module, SparseMoE):
-                module.experts.fused = fused
+                module.experts.fused = fused and module.experts.act.name in ACT_CODES
 
     def set_row_tile(self, row_tile: int) -> None:
         """Batch-invariant mode (`row_tile` > 0, `linear`'s row tiles) or the default (0), for

@@ -7,6 +7,7 @@ from moestream.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from moestream.models.gpt_oss import GptOssForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
+from moestream.models.nemotron_h import NemotronHForCausalLM
 from moestream.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from moestream.models.qwen3_moe import Qwen3MoeForCausalLM
 from moestream.models.qwen3_next import Qwen3NextForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
 }
 
 
