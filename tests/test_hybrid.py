@@ -6,6 +6,7 @@ multimodal Qwen3.5-MoE checkpoint layout."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -178,3 +179,12 @@ def test_a_failed_step_recomputes_part_updated_states(qwen3_next_dir: str) -> No
     handle.remove()
     assert failures == 1
     assert [final[i] for i in range(4)] == want
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (dict(moe_runner_backend="fused_cpu"), "moe_runner_backend fused_cpu does not run relu2 experts (nemotron_h) yet"),
+    (dict(enable_elastic_memory=True), "enable_elastic_memory does not support ungated experts (nemotron_h) yet"),
+])
+def test_nemotron_h_refuses_what_ungated_experts_lack(nemotron_h_dir: str, option: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(nemotron_h_dir, dtype="float32", max_model_len=64, **option)
