@@ -11,9 +11,11 @@ Follows transformers' GraniteMoeHybridMambaLayer / Mamba2Mixer, torch path:
     y_t = h_t . C_t + D * x_t
     out_proj(grouped_rmsnorm(y * SiLU(gate)))             G groups of I / G channels
 
-Head h reads B and C of group h // (H / G). The SSD algorithm (Mamba-2 paper, "Transformers
-are SSMs", Dao & Gu 2024) computes the same recurrence in chunks; here a prefill runs the
-recurrence token by token, in float32, which is exact but not yet chunked.
+Head h reads B and C of group h // (H / G). A prefill runs the SSD form of the recurrence
+(Mamba-2 paper, "Transformers are SSMs", Dao & Gu 2024, section 6) in chunks of
+`chunk_size` tokens, in float32, piece by piece between the state captures (prefix-cache
+checkpoints), from the state in the pool's dtype; a one-token piece, a decode token and a
+speculative verify position run the recurrent step.
 
 State per request: `conv` [C, K-1] (the last K-1 conv inputs, model dtype) and `ssm`
 [H, P, N] (the pool's state dtype, float32 by default).
@@ -71,6 +73,7 @@ class Mamba2Mixer(RecurrentMixer):
         self.inner = m.num_heads * m.head_dim
         self.conv_dim = m.conv_dim
         self.time_step_limit = m.time_step_limit
+        self.chunk_size = m.chunk_size
         self.in_proj = Linear(hidden_size, self.inner + self.conv_dim + m.num_heads, bias=m.proj_bias)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, m.conv_kernel), requires_grad=False)
@@ -106,6 +109,44 @@ class Mamba2Mixer(RecurrentMixer):
         y = (state * C[:, :, None, :]).sum(-1) + self.D.float()[:, None] * x  # [n, H, P]
         return y, state
 
+    def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, h: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The SSD form of n >= 2 recurrence steps of one request, a chunk of `chunk_size`
+        tokens at a time (Mamba-2 paper, section 6; the chunked scan of transformers'
+        `torch_forward`, one chunk after another): xbc [n, C] float32 (after the conv), dt
+        [n, H] float32 (after softplus), A [H], h [H, P, N] float32 (the state before) ->
+        (y [n, H, P] float32 with the D skip, the state after [H, P, N] float32).
+
+        In a chunk of L tokens with a_t = dt_t * A and segsum[t, s] = a_{s+1} + ... + a_t
+        (summed per pair, not as a difference of cumulative sums):
+            y_t = sum_{s<=t} (C_t . B_s) exp(segsum[t, s]) dt_s x_s + exp(a_0 + ... + a_t) C_t . h + D x_t
+            h'  = exp(a_0 + ... + a_{L-1}) h + sum_s exp(segsum[L-1, s]) dt_s x_s (outer) B_s
+        """
+        n, heads, rep = xbc.shape[0], self.num_heads, self.num_heads // self.num_groups
+        x, B, C = torch.split(xbc, [self.inner, self.num_groups * self.state_size, self.num_groups * self.state_size],
+                              dim=-1)
+        x = x.reshape(n, heads, self.head_dim)  # [n, H, P]
+        B = B.reshape(n, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)  # [n, H, N]
+        C = C.reshape(n, self.num_groups, self.state_size).repeat_interleave(rep, dim=1)  # [n, H, N]
+        D = self.D.float()[:, None]  # [H, 1]
+        y = torch.empty(n, heads, self.head_dim, dtype=torch.float32, device=xbc.device)
+        for lo in range(0, n, self.chunk_size):
+            hi = min(lo + self.chunk_size, n)
+            size = hi - lo
+            xc, Bc, Cc, dtc = x[lo:hi], B[lo:hi], C[lo:hi], dt[lo:hi].T  # dtc [H, L]
+            a = dtc * A[:, None]  # [H, L]
+            below = torch.ones(size, size, dtype=torch.bool, device=xbc.device).tril(-1)
+            seg = a[:, :, None].expand(heads, size, size).masked_fill(~below, 0.0).cumsum(dim=1)  # [H, t, s]
+            seg = seg.masked_fill(~torch.ones_like(below).tril(), float("-inf"))
+            decay = torch.exp(seg)  # [H, t, s], 0 above the diagonal
+            scores = torch.einsum("thn,shn->hts", Cc, Bc) * decay * dtc[:, None, :]  # [H, t, s]
+            cum = torch.cumsum(a, dim=1)  # [H, L]
+            y[lo:hi] = (torch.einsum("hts,shp->thp", scores, xc)
+                        + torch.einsum("thn,hpn->thp", Cc, h) * torch.exp(cum).T[:, :, None] + D * xc)
+            to_end = decay[:, -1, :] * dtc  # [H, s]
+            h = h * torch.exp(cum[:, -1])[:, None, None] + torch.einsum("hs,shp,shn->hpn", to_end, xc, Bc)
+        return y, h
+
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata) -> torch.Tensor:
         conv_state, ssm_state = state
         t = x.shape[0]
@@ -132,15 +173,21 @@ class Mamba2Mixer(RecurrentMixer):
         for i, start, end, window in prefill_pieces(meta, xbc_in, conv_state):  # window [C, K-1+n]
             slot = slots[i]
             xbc = self._conv_out(window.unfold(1, km1 + 1, 1).transpose(0, 1))  # [n, C]
-            h = ssm_state[slot].float()[None]  # [1, H, P, N]
-            cap = {off: row for off, row in captures[i] if row is not None}
-            for j in range(end - start):
-                out, h = self._step(h, xbc[j:j + 1], dt[start + j:start + j + 1], A)
-                y[start + j] = out[0]
-                row = cap.get(j + 1)
+            h = ssm_state[slot]  # [H, P, N], the pool's dtype between pieces
+            lo = 0
+            for hi, row in sorted(captures[i], key=lambda c: c[0]) + [(end - start, None)]:
+                if hi > lo:  # tokens [lo, hi) from the state after token lo: one step, or the chunked scan
+                    if hi - lo == 1:
+                        out, new = self._step(h.float()[None], xbc[lo:hi], dt[start + lo:start + hi], A)
+                        out, new = out, new[0]
+                    else:
+                        out, new = self._scan(xbc[lo:hi], dt[start + lo:start + hi], A, h.float())
+                    y[start + lo:start + hi] = out
+                    h = new.to(ssm_state.dtype)
+                    lo = hi
                 if row is not None:
-                    ssm_state[row] = h[0].to(ssm_state.dtype)
-                    conv_state[row] = window[:, j + 1:j + 1 + km1]  # the last K-1 inputs before token j + 1
-            ssm_state[slot] = h[0].to(ssm_state.dtype)
+                    ssm_state[row] = h
+                    conv_state[row] = window[:, hi:hi + km1]  # the last K-1 inputs before token hi
+            ssm_state[slot] = h
         out = self.norm(y.view(t, self.inner).to(x.dtype), gate)
         return self.out_proj(out)
