@@ -173,7 +173,8 @@ def build_model(
         model = get_model_class(cfg.model_type)(cfg, backend, store, device)
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="Loading dense weights", unit="tensor", disable=None):
-        hf = model.hf_name(name)
+        names = model.hf_names(name)
+        hf = next((n for n in names if n in reader), names[0])
         if hf == "lm_head.weight" and cfg.tie_word_embeddings and hf not in reader:
             hf = "model.embed_tokens.weight"
         module_name, _, leaf = name.rpartition(".")

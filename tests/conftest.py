@@ -62,7 +62,12 @@ def nemotron_h_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("nemotron_h")), "nemotron_h", seed=5)
 
 
-@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe", "granite", "nemotron_h"])
+@pytest.fixture(scope="session")
+def kimi_linear_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("kimi_linear")), "kimi_linear", seed=6)
+
+
+@pytest.fixture(scope="session", params=["qwen3_next", "qwen3_5_moe", "granite", "nemotron_h", "kimi_linear"])
 def hybrid_dir(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -35,6 +35,10 @@ REQUIRED: dict[str, tuple[str, tuple[str, ...]]] = {
     "nemotron_h": ("Nemotron-H", ("hidden_size", "num_attention_heads", "vocab_size", "num_experts_per_tok",
                                   "n_routed_experts", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
                                   "intermediate_size", "mamba_num_heads", "mamba_head_dim", "ssm_state_size")),
+    # its config.json names fields as KimiLinearConfig.attribute_map does (num_experts_per_token, ...)
+    "kimi_linear": ("Kimi-Linear", ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size",
+                                    "num_experts_per_token", "num_experts", "moe_intermediate_size",
+                                    "intermediate_size")),
 }
 CASES = [(model, field) for model, (_, fields) in REQUIRED.items() for field in fields]
 
@@ -171,6 +175,42 @@ def test_bad_nemotron_h_field_names_it(request: pytest.FixtureRequest, tmp_path,
     _set(cfg, "nemotron_h", field, value)
     path = _write(tmp_path, cfg)
     with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
+        model_config_from_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(("field", "value", "problem"), [
+    ("layer_types", ["linear_attention"] * 3, "must list 'linear_attention' or 'full_attention' for each of the 4 "
+                                              "layers; got ['linear_attention', 'linear_attention', 'linear_attention']"),
+    ("mlp_layer_types", ["dense", "moe", "sparse", "sparse"], "must list 'dense' or 'sparse' for each of the 4 "
+                                                              "layers; got ['dense', 'moe', 'sparse', 'sparse']"),
+    ("num_expert_group", 3, "is 3; it must divide the 8 routed experts"),
+])
+def test_bad_kimi_linear_field_names_it(request: pytest.FixtureRequest, tmp_path, field: str, value: Any,
+                                        problem: str) -> None:
+    cfg = _hf_config(request, "kimi_linear")
+    cfg[field] = value
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=_expect(path, f"field '{field}' {problem}")):
+        model_config_from_hf(str(tmp_path))
+
+
+def test_kimi_linear_hub_layer_lists_equal_layer_types(request: pytest.FixtureRequest, tmp_path) -> None:
+    """The hub's config gives the layer kinds as 1-indexed `linear_attn_config` lists and the
+    dense layers as `first_k_dense_replace`."""
+    cfg = _hf_config(request, "kimi_linear")
+    types, mlp = cfg.pop("layer_types"), cfg.pop("mlp_layer_types")
+    cfg.update(first_k_dense_replace=1, linear_attn_config=dict(kda_layers=[1, 3, 4], full_attn_layers=[2], head_dim=16,
+                                                                num_heads=4, short_conv_kernel_size=4))
+    for key in ("linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim"):
+        cfg.pop(key)
+    _write(tmp_path, cfg)
+    parsed = model_config_from_hf(str(tmp_path))
+    assert parsed.layer_types == tuple(types) and parsed.moe_layers == tuple(t == "sparse" for t in mlp)
+    assert (parsed.linear_num_value_heads, parsed.linear_value_head_dim, parsed.linear_conv_kernel_dim) == (4, 16, 4)
+    cfg["linear_attn_config"]["full_attn_layers"] = [2, 3]
+    path = _write(tmp_path, cfg)
+    with pytest.raises(ValueError, match=_expect(path, "field 'linear_attn_config.kda_layers' and full_attn_layers "
+                                                       "must number the 4 layers from 1 once each")):
         model_config_from_hf(str(tmp_path))
 
 

@@ -1,4 +1,4 @@
-"""The three forms of the gated delta rule agree: chunked (WY, chunk 64), batched recurrent and
+"""The three forms of the gated delta rule agree (and Kimi Delta Attention's chunked form its recurrence): chunked (WY, chunk 64), batched recurrent and
 the naive token loop, from random non-zero initial states, across chunk boundaries; and the
 chunked form continues exactly from its own final state (what chunked prefill relies on)."""
 
@@ -76,3 +76,27 @@ def test_split_continues_from_state() -> None:
     # ... and differs from starting the second piece from zero (the state matters).
     o2_cold, _ = chunk_gated_delta_rule(q[37:], k[37:], v[37:], g[37:], beta[37:], None)
     assert (o2_cold - o2).abs().max().item() > 1e-3
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), t=st.integers(2, 150), heads=st.integers(1, 3), d=st.sampled_from([4, 16]),
+       chunk=st.sampled_from([16, 64]))
+def test_kda_chunked_equals_its_recurrence(seed: int, t: int, heads: int, d: int, chunk: int) -> None:
+    """Kimi Delta Attention (per-channel decay): the chunked form against its recurrent step
+    run token by token, from a random state, across chunk boundaries."""
+    from moestream.layers.kimi_delta_attention import _l2norm, chunk_kda, recurrent_kda
+
+    gen = torch.Generator().manual_seed(seed)
+    q = _l2norm(torch.randn(t, heads, d, generator=gen)) * d ** -0.5
+    k = _l2norm(torch.randn(t, heads, d, generator=gen))
+    v = torch.randn(t, heads, d, generator=gen)
+    g = -torch.rand(t, heads, d, generator=gen) * 3  # per channel, in (-3, 0]
+    beta = torch.rand(t, heads, generator=gen)
+    s0 = torch.randn(heads, d, d, generator=gen)
+    o, s = chunk_kda(q, k, v, g, beta, s0, chunk_size=chunk)
+    ref, state = [], s0[None]
+    for i in range(t):
+        out, state = recurrent_kda(q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1], state)
+        ref.append(out[0])
+    assert (o - torch.stack(ref)).abs().max().item() < 1e-5
+    assert (s - state[0]).abs().max().item() < 1e-5 * max(1.0, state.abs().max().item())

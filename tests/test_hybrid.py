@@ -1,4 +1,4 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H, Nemotron-H): parity with HF float32 for 8 prompts decoded
+"""Hybrid models (Qwen3-Next, Qwen3.5-MoE, Granite-4.0-H, Nemotron-H, Kimi-Linear): parity with HF float32 for 8 prompts decoded
 together, with forced state swapping (2 device slots for 8 requests), chunked prefill at
 several budgets, paged experts, KV memory only for full-attention layers, and the
 multimodal Qwen3.5-MoE checkpoint layout."""
@@ -61,7 +61,7 @@ def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -
 
 
 @pytest.mark.parametrize(("model", "budget"), [("qwen3_next", 1), ("qwen3_next", 7), ("qwen3_next", 64),
-                                               ("nemotron_h", 1), ("nemotron_h", 7)])
+                                               ("nemotron_h", 1), ("nemotron_h", 7), ("kimi_linear", 7)])
 def test_chunked_prefill_equals_single_shot(request: pytest.FixtureRequest, model: str, budget: int) -> None:
     """Token budgets that do not divide the prompts (and, for Mamba-2, cross its SSD chunk of 16)."""
     model_dir = request.getfixturevalue(f"{model}_dir")

@@ -1,4 +1,4 @@
-"""Property test on a hybrid model of each mixer, GDN and Mamba-2 (hypothesis): random arrivals, aborts, chunked prefill,
+"""Property test on a hybrid model of each mixer, GDN, Mamba-2 and KDA (hypothesis): random arrivals, aborts, chunked prefill,
 preemptions, state swaps and prefix hits on shared prefixes (a 6-block KV pool, 2 device
 state slots, 1 device state checkpoint and 1 on the host, a checkpoint every block).
 Afterwards no KV block, state slot or checkpoint row is held or leaked, and every request
@@ -21,10 +21,12 @@ PROMPTS = [[5 + i * 7 + j for j in range(n)] for i, n in enumerate((3, 11, 17, 1
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h"])  # one model per mixer: GDN, Mamba-2
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h", "kimi_linear"])  # one per mixer: GDN, Mamba-2, KDA
 def engine_and_solo(request: pytest.FixtureRequest):
     model_dir = request.getfixturevalue(f"{request.param}_dir")
-    block = kv_block_bytes(1, 16, 2, 16, torch.float32)  # both: one attention layer of 2 KV heads of 16
+    # one attention layer: 2 KV heads of 16, or Kimi-Linear's MLA latent (32 + 8)
+    block = kv_block_bytes(1, 16, 1, 40, torch.float32, 0) if request.param == "kimi_linear" else (
+        kv_block_bytes(1, 16, 2, 16, torch.float32))
     kw = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=6 * block, max_num_batched_tokens=16,
               max_resident_states=2)
     plain = LLM(model_dir, enable_prefix_caching=False, **kw)

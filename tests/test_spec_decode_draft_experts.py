@@ -39,7 +39,7 @@ def _no_leaks(llm: LLM) -> None:
 
 
 # one model per MoE block and mixer (Qwen3.5-MoE would repeat Qwen3-Next's GDN and MoE block)
-@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "granite", "nemotron_h"])
+@pytest.fixture(params=["qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "granite", "nemotron_h", "kimi_linear"])
 def any_model(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_dir")
 

@@ -1,5 +1,5 @@
 """Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE,
-DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, Granite-4.0-H, Nemotron-H) with a real tokenizer.
+DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, Granite-4.0-H, Nemotron-H, Kimi-Linear) with a real tokenizer.
 
 Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
 Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
@@ -18,7 +18,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", 
 TOKENIZERS = {
     "qwen3_moe": "qwen2", "mixtral": "mistral_v1", "qwen3_next": "qwen2", "qwen3_5_moe": "qwen2", "qwen3_5_moe_vl": "qwen2",
     "deepseek_v2": "qwen2", "deepseek_v3": "qwen2", "glm4_moe": "qwen2", "gpt_oss": "qwen2",
-    "granitemoehybrid": "qwen2", "nemotron_h": "qwen2",
+    "granitemoehybrid": "qwen2", "nemotron_h": "qwen2", "kimi_linear": "qwen2",
 }
 _QWEN2_VOCAB = dict(vocab_size=151936, eos_token_id=151643, bos_token_id=151643)
 # MLA fixtures: 4 heads of 16 (nope) + 8 (rope) query/key dims, 16 value dims, a latent of 32;
@@ -64,8 +64,19 @@ NEMOTRON_H = dict(
     mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
     **_QWEN2_VOCAB,
 )
+# Kimi-Linear: KDA, MLA (no RoPE, no q LoRA), KDA, KDA; layer 0 a dense MLP, the others MoE
+# (sigmoid routing with a correction bias, 4 groups of 2 experts, top-2, one shared expert);
+# 4 KDA heads of 16.
+KIMI_LINEAR = dict(
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+    num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_head_dim=16, linear_num_heads=4,
+    linear_conv_kernel_dim=4, pad_token_id=0, **_QWEN2_VOCAB,
+)
 _PRESETS = {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE, "gpt_oss": GPT_OSS,
-            "granitemoehybrid": GRANITE, "nemotron_h": NEMOTRON_H}
+            "granitemoehybrid": GRANITE, "nemotron_h": NEMOTRON_H, "kimi_linear": KIMI_LINEAR}
 # Hybrid fixtures: 3 Gated DeltaNet layers + 1 gated full-attention layer, 2 key / 4 value heads.
 HYBRID = dict(
     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -160,7 +171,7 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _randomize(model, biases=model_type == "gpt_oss")
-    if model_type in ("granitemoehybrid", "nemotron_h"):
+    if model_type in ("granitemoehybrid", "nemotron_h", "kimi_linear"):
         _randomize_mamba(model)
     model.save_pretrained(out_dir)
     _copy_tokenizer(tok_dir, out_dir)
@@ -183,8 +194,8 @@ def _randomize(model: torch.nn.Module, biases: bool = False) -> None:
 
 
 def _randomize_mamba(model: torch.nn.Module) -> None:
-    """Mamba-2 parameters away from their init: decay rates A in [0.5, 4.5), D and dt_bias
-    drawn, conv biases drawn, so that each of them matters."""
+    """Mamba-2 (and KDA) parameters away from their init: decay rates A in [0.5, 4.5), D and
+    dt_bias drawn, conv biases drawn, so that each of them matters."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):

@@ -36,11 +36,12 @@ class MLAttention(nn.Module):
 
     Parameters as HF's: `q_proj` (q_lora_rank None) or `q_a_proj`, `q_a_layernorm`,
     `q_b_proj`; `kv_a_proj_with_mqa` [r + dr, hidden]; `kv_a_layernorm` [r]; `kv_b_proj`
-    [H * (dn + dv), r]; `o_proj` [hidden, H * dv].
+    [H * (dn + dv), r]; `o_proj` [hidden, H * dv]. `rotary` None: no positional encoding
+    (Kimi-Linear), the dr "rope" dims are used as projected.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, mla: MLAConfig, bias: bool,
-                 rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+                 rotary: RotaryEmbedding | None, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.mla = num_heads, mla
         qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -70,7 +71,10 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(t, h, dn + dr).split([dn, dr], dim=-1)  # [T, H, dn], [T, H, dr]
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([r, dr], dim=-1)  # [T, r], [T, dr]
         latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])  # [T, H, dr], [T, 1, dr]
+        if self.rotary is not None:  # Kimi-Linear's MLA has none: its "rope" dims stay as projected
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe[:, None, :])  # [T, H, dr], [T, 1, dr]
+        else:
+            k_pe = k_pe[:, None, :]
         # On CPUs without native bf16 matmul the absorbed products run in float32 (bf16 values
         # are exact there), whatever the batch, so a row never depends on the others.
         w = self.kv_b_proj.weight.view(h, dn + dv, r)

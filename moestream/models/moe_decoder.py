@@ -186,6 +186,12 @@ class MoEForCausalLM(nn.Module):
             return prefix + name[len("model."):]
         return name
 
+    def hf_names(self, name: str) -> tuple[str, ...]:
+        """The checkpoint names our parameter `name` may be stored under, in order of
+        preference (the loader reads the first the checkpoint has): `hf_name`'s alone, unless a
+        model's checkpoints come in more than one layout."""
+        return (self.hf_name(name),)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -5,6 +5,7 @@ from moestream.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moestream.models.glm4_moe import Glm4MoeForCausalLM
 from moestream.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from moestream.models.gpt_oss import GptOssForCausalLM
+from moestream.models.kimi_linear import KimiLinearForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.nemotron_h import NemotronHForCausalLM
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "gpt_oss": GptOssForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "kimi_linear": KimiLinearForCausalLM,
 }
 
 
