@@ -188,3 +188,24 @@ def test_a_failed_step_recomputes_part_updated_states(qwen3_next_dir: str) -> No
 def test_nemotron_h_refuses_what_ungated_experts_lack(nemotron_h_dir: str, option: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         LLM(nemotron_h_dir, dtype="float32", max_model_len=64, **option)
+
+
+def test_kimi_linear_hub_checkpoint_names_load(kimi_linear_dir: str, tmp_path) -> None:
+    """The hub's Kimi-Linear files keep the dense MLP under `mlp.` (transformers 5 writes
+    `block_sparse_moe.`): both give the same output."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(kimi_linear_dir, "model.safetensors"))
+    renamed = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp."): v for k, v in tensors.items()}
+    assert sum(".mlp." in k for k in renamed) == 3
+    for f in os.listdir(kimi_linear_dir):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(kimi_linear_dir, f), tmp_path / f)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    prompts, params = [{"prompt_token_ids": p} for p in parity_prompts()[:2]], SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in LLM(kimi_linear_dir, dtype="float32", max_model_len=64).generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in LLM(str(tmp_path), dtype="float32", max_model_len=64).generate(prompts, params)]
+    assert got == want and len(want[0]) == 6
