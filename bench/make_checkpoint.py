@@ -7,6 +7,9 @@ Presets (all with the real Qwen2 tokenizer, `tests/fixtures/tokenizers/qwen2`):
   (~3.0 GiB of experts in bf16);
 - `hybrid-medium`: Qwen3-Next at the same scale (Gated DeltaNet with head dim 128, one
   gated full-attention layer in four, a shared expert);
+- `hybrid-mamba2`: Nemotron-H at the same scale (16 blocks "MEMEM*EMEMEM*EME": 7 Mamba-2
+  with 32 heads of 64 and 8 groups of a 128 state, 7 MoE of 64 ungated relu^2 experts of 512
+  with a shared one, 2 GQA attention layers without RoPE);
 - `dsv2lite`: DeepSeek-V2-Lite shapes (~30 GiB; built only when named). Its vocabulary is
   the Qwen2 tokenizer's (151936), not DeepSeek's 102400, since no DeepSeek tokenizer ships here.
 - `dsv2-small`: DeepSeek-V2 at `small`'s scale with the real MLA dims (kv_lora_rank 512 +
@@ -69,6 +72,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
         rope_theta=10000000.0)),
+    "hybrid-mamba2": ("nemotron_h", dict(
+        vocab_size=QWEN2_VOCAB, hidden_size=1024, hybrid_override_pattern="MEMEM*EMEMEM*EME",
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, intermediate_size=2048, moe_intermediate_size=512,
+        moe_shared_expert_intermediate_size=1024, n_routed_experts=64, num_experts_per_tok=8, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+        conv_kernel=4, chunk_size=128, max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS)),
     "dsv2lite": ("deepseek_v2", dict(
         vocab_size=QWEN2_VOCAB, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
         num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
@@ -123,7 +133,15 @@ def tensor_specs(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
         model = AutoModelForCausalLM.from_config(cfg)
     for name, t in model.state_dict().items():
         shape = tuple(t.shape)
-        if cfg.model_type == "gpt_oss":
+        if cfg.model_type == "nemotron_h":  # its checkpoints: "backbone.", experts per expert, ungated
+            name = "backbone." + name[len("model."):] if name.startswith("model.") else name
+            if name.endswith(("experts.up_proj", "experts.down_proj")):
+                prefix, part = name.rsplit(".", 1)
+                for e in range(shape[0]):
+                    yield f"{prefix}.{e}.{part}.weight", shape[1:]
+                continue
+            yield name, shape
+        elif cfg.model_type == "gpt_oss":
             yield name, shape
         elif name.endswith("experts.gate_up_proj"):
             prefix, inter = name[: -len("gate_up_proj")], shape[1] // 2
@@ -155,7 +173,7 @@ def make_tensor(name: str, shape: tuple[int, ...], seed: int, zero_centred_norms
     if len(shape) == 1:
         base = 0.0 if zero_centred_norms and not name.endswith("linear_attn.norm.weight") else 1.0
         return (base + 0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
-    scale = 4 * std if name.endswith(("mlp.gate.weight", "mlp.router.weight")) else std
+    scale = 4 * std if name.endswith(("mlp.gate.weight", "mlp.router.weight", "mixer.gate.weight")) else std
     out = torch.empty(shape, dtype=torch.bfloat16)
     flat, rows = out.view(shape[0], -1), 1 << 14
     for start in range(0, shape[0], rows):  # bounded fp32 scratch for the big embeddings
