@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
+from conftest import HYBRID_MODELS, NUM_NEW_TOKENS, HFReference, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -25,7 +25,18 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NUM_NEW_TOKE
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
-def test_batch_decoded_together(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+ALL_HYBRIDS = [*HYBRID_MODELS, "qwen3_5_moe"]
+
+
+@pytest.fixture(params=ALL_HYBRIDS)
+def any_hybrid(request: pytest.FixtureRequest, hf_reference_of) -> tuple[str, HFReference]:
+    """Every hybrid model (Qwen3.5-MoE too): its directory and HF reference."""
+    model_dir = request.getfixturevalue(f"{request.param}_dir")
+    return model_dir, hf_reference_of(model_dir)
+
+
+def test_batch_decoded_together(any_hybrid: tuple[str, HFReference]) -> None:
+    hybrid_dir, hybrid_reference = any_hybrid
     prompts = parity_prompts()
     llm = LLM(hybrid_dir, dtype="float32", max_model_len=128)
     check_all(prompts, _generate(llm, prompts), hybrid_reference, "hybrid batch")
@@ -33,9 +44,10 @@ def test_batch_decoded_together(hybrid_dir: str, hybrid_reference: HFReference) 
     assert pool.num_resident() == 0 and pool.num_swapped() == 0 and pool.num_free_slots == pool.max_resident
 
 
-def test_forced_state_swapping(hybrid_dir: str, hybrid_reference: HFReference) -> None:
+def test_forced_state_swapping(any_hybrid: tuple[str, HFReference]) -> None:
     """2 device state slots for 8 running requests: each step runs 2 of them (the scheduler
     picks the least recently run), so once all 8 have started every step swaps 2 states in."""
+    hybrid_dir, hybrid_reference = any_hybrid
     prompts = parity_prompts()
     llm = LLM(hybrid_dir, dtype="float32", max_model_len=128, max_resident_states=2)
     engine = llm.llm_engine

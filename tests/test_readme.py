@@ -39,7 +39,7 @@ MAX_LINES = 250
 TIMEOUT = 300
 SETUP_COMMANDS = (
     'pip install torch==2.13.0 && pip install -e . && moestream generate "def fibonacci(n):"',
-    'pip install torch==2.13.0 && pip install -e ".[test,ray]" && python -m pytest -q',
+    'pip install torch==2.13.0 && pip install -e ".[test,ray]" && python -m pytest -q -n 2 --dist loadfile',
 )
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<kind>[\w-]+))?\s*-->$")
 FENCE = re.compile(r"^```(?P<lang>\w*)\s*$")
@@ -99,7 +99,7 @@ def test_setup_commands_verbatim(command: str) -> None:
 
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "python -m pytest -q" in ci and SETUP_COMMANDS[1] in README.read_text()
+    assert "python -m pytest -q -n 2 --dist loadfile" in ci and SETUP_COMMANDS[1] in README.read_text()
 
 
 def test_there_are_runnable_blocks() -> None:

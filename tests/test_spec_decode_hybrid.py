@@ -33,7 +33,7 @@ def test_ngram_greedy_equals_off_and_hf(hybrid_dir: str, hybrid_reference: HFRef
     assert kv.num_free_blocks == kv.num_blocks and llm.llm_engine.state_pool.num_resident() == 0
 
 
-@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("k", [3])  # drafts right for 0..3 positions (one draft: ngram k=1 above)
 def test_scripted_drafts_exact_under_swaps_budget_and_prefix_hits(hybrid_dir: str, hybrid_reference: HFReference,
                                                                   k: int) -> None:
     """12 requests whose drafts are right for 0..k positions in turn (so every acceptance
