@@ -53,20 +53,24 @@ def test_hit_recomputes_from_the_checkpoint_an_interval_back(hybrid_dir: str, hy
     assert llm.llm_engine.kv_cache.block_size == BS  # the attention block size stays what was set
 
 
-@pytest.mark.parametrize("host_checkpoints", [2, 0])
-def test_hits_equal_misses_through_host_tier_and_evictions(qwen3_next_dir: str, host_checkpoints: int) -> None:
+@pytest.mark.parametrize(("model", "host_checkpoints"), [("qwen3_next", 2), ("qwen3_next", 0), ("nemotron_h", 2),
+                                                        ("kimi_linear", 2)])
+def test_hits_equal_misses_through_host_tier_and_evictions(request: pytest.FixtureRequest, model: str,
+                                                           host_checkpoints: int) -> None:
     """1 device checkpoint row and a host tier of 2 (or none): checkpoints move to the host,
-    are restored from there, and are evicted; every output equals the run without caching.
-    With no host tier this caught one row shared by two checkpoints."""
+    are restored from there, and are evicted; every output equals the run without caching
+    (GDN, Mamba-2 and KDA states). With no host tier this caught one row shared by two
+    checkpoints."""
+    model_dir = request.getfixturevalue(f"{model}_dir")
     rng = random.Random(22)
     prefixes = [_tokens(rng, 48), _tokens(rng, 64)]
     prompts = [prefixes[i % 2] + _tokens(rng, 5 + 3 * i) for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    plain = LLM(model_dir, dtype="float32", max_model_len=256, enable_prefix_caching=False)
     want = [plain.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
-    probe = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2)
+    probe = LLM(model_dir, dtype="float32", max_model_len=256, max_num_seqs=2)
     size = probe.llm_engine.state_pool.bytes_per_state
-    llm = LLM(qwen3_next_dir, dtype="float32", max_model_len=256, max_num_seqs=2, max_state_checkpoints=1,
+    llm = LLM(model_dir, dtype="float32", max_model_len=256, max_num_seqs=2, max_state_checkpoints=1,
               state_checkpoint_host_bytes=host_checkpoints * size)
     got, cached = [], []
     for p in prompts:  # one at a time, so each can hit what the earlier ones left
