@@ -7,6 +7,8 @@ unrestricted routing is handed to the prefetcher; no block, slot or row leaks.""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from test_spec_decode import NEW, _prompts
 
@@ -88,11 +90,22 @@ def test_draft_routing_feeds_the_prefetcher(qwen3_moe_dir: str) -> None:
 
         from moestream.spec_decode.draft_experts import ResidentOnlyExecutor
 
-        if isinstance(inspect.stack()[1].frame.f_locals.get("self"), ResidentOnlyExecutor):  # a draft pass
+        draft = isinstance(inspect.stack()[1].frame.f_locals.get("self"), ResidentOnlyExecutor)
+        if draft:  # a draft pass
             resident = store.resident_experts()
             assert all((layer, e) not in resident for e in ids)
             hints.extend((layer, e) for e in ids)
         prefetch(layer, ids)
+        # Give the prefetch thread up to 50 ms to start these loads: on a busy machine (beside
+        # another pytest-xdist worker) it may not run before the layer is reached, and the
+        # layer's pending prefetches are dropped then, leaving no prefetch hit to count.
+        deadline = time.monotonic() + 0.05
+        keys = [(layer, int(e)) for e in ids]
+        while draft and time.monotonic() < deadline:
+            with store._queue.lock:
+                if all(k in store._slot_of or k in store._loading for k in keys):
+                    break
+            time.sleep(0.002)
 
     store.prefetch = spy
     want = _run(LLM(qwen3_moe_dir, dtype="float32", max_model_len=256), _prompts()[:4])
