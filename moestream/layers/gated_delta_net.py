@@ -34,6 +34,7 @@ from moestream.layers.recurrent_state import (
     StateMetadata,
     StateSpec,
     capture_decodes,
+    decode_windows,
     prefill_pieces,
 )
 
@@ -124,20 +125,17 @@ class GatedDeltaNet(RecurrentMixer):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32
         weight = self.conv1d.weight  # [C, 1, K]
         core = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=x.device)
-        qsl, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
-        decodes = [i for i in range(len(slots)) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:  # one token each: a batched conv step and a batched recurrent step
-            rows = torch.tensor([qsl[i] for i in decodes], device=x.device)
-            idx = meta.state_slots[decodes] if len(decodes) < len(slots) else meta.state_slots
-            window = torch.cat((conv_state[idx], mixed[rows, :, None].to(conv_state.dtype)), dim=-1)  # [n, C, K]
-            conv_state[idx] = window[:, :, 1:]
+        slots = meta.state_slots_cpu
+        step = decode_windows(meta, mixed, conv_state)
+        if step is not None:  # one token each: a batched conv step and a batched recurrent step
+            decodes, rows, idx, window = step
             y = F.silu((window.to(weight.dtype) * weight[:, 0, :]).sum(-1)).to(x.dtype)  # [n, C]
             q, k, v = self._split_heads(y)
             o, new_state = recurrent_gated_delta_rule(q, k, v, g[rows], beta[rows], ssm_state[idx].float())
             ssm_state[idx] = new_state.to(ssm_state.dtype)
             core[rows] = o
+            capture_decodes(state, meta, decodes)  # checkpoints after a decode token: the slot's new state
         captures = meta.captures or [[] for _ in slots]
-        capture_decodes(state, meta, decodes)  # checkpoints after a decode token: the slot's new state
         km1 = conv_state.shape[2]
         for i, start, end, window in prefill_pieces(meta, mixed, conv_state):  # window [C, K-1+n]
             slot = slots[i]

@@ -36,6 +36,7 @@ from moestream.layers.recurrent_state import (
     StateMetadata,
     StateSpec,
     capture_decodes,
+    decode_windows,
     prefill_pieces,
 )
 
@@ -147,15 +148,12 @@ class KimiDeltaAttention(RecurrentMixer):
         g = -self.A_log.float().view(1, h, 1).exp() * F.softplus(f)  # [T, H, K] float32
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
         core = torch.empty(t, h, d, dtype=torch.float32, device=x.device)
-        qsl, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+        slots = meta.state_slots_cpu
         captures = meta.captures or [[] for _ in slots]
         km1 = conv_state.shape[2]
-        decodes = [i for i in range(len(slots)) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:  # one token each: a batched conv step and a batched recurrent step
-            rows = torch.tensor([qsl[i] for i in decodes], device=x.device)
-            idx = meta.state_slots[decodes] if len(decodes) < len(slots) else meta.state_slots
-            window = torch.cat((conv_state[idx], mixed[rows, :, None].to(conv_state.dtype)), dim=-1)  # [n, C, Kc]
-            conv_state[idx] = window[:, :, 1:]
+        step = decode_windows(meta, mixed, conv_state)
+        if step is not None:  # one token each: a batched conv step and a batched recurrent step
+            decodes, rows, idx, window = step
             q, k, v = self._heads(self._conv(window))
             o, new = recurrent_kda(q, k, v, g[rows], beta[rows], ssm_state[idx].float())
             ssm_state[idx] = new.to(ssm_state.dtype)

@@ -35,6 +35,7 @@ from moestream.layers.recurrent_state import (
     StateMetadata,
     StateSpec,
     capture_decodes,
+    decode_windows,
     prefill_pieces,
 )
 
@@ -157,15 +158,12 @@ class Mamba2Mixer(RecurrentMixer):
             dt = dt.clamp(lo_lim, hi_lim)
         A = -torch.exp(self.A_log.float())  # [H]
         y = torch.empty(t, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
-        qsl, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+        slots = meta.state_slots_cpu
         captures = meta.captures or [[] for _ in slots]
         km1 = conv_state.shape[2]
-        decodes = [i for i in range(len(slots)) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:  # one token each: a batched conv step and a batched recurrence step
-            rows = torch.tensor([qsl[i] for i in decodes], device=x.device)
-            idx = meta.state_slots[decodes] if len(decodes) < len(slots) else meta.state_slots
-            window = torch.cat((conv_state[idx], xbc_in[rows, :, None].to(conv_state.dtype)), dim=-1)  # [n, C, K]
-            conv_state[idx] = window[:, :, 1:]
+        step = decode_windows(meta, xbc_in, conv_state)
+        if step is not None:  # one token each: a batched conv step and a batched recurrent step
+            decodes, rows, idx, window = step
             out, new_state = self._step(ssm_state[idx].float(), self._conv_out(window), dt[rows], A)
             ssm_state[idx] = new_state.to(ssm_state.dtype)
             y[rows] = out

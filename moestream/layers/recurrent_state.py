@@ -1,5 +1,6 @@
-"""The recurrent-state interface a linear-attention mixer implements (Gated DeltaNet today;
-Mamba-2 and Kimi Delta Attention are meant to be further implementations).
+"""The recurrent-state interface a linear-attention mixer implements (Gated DeltaNet, Mamba-2
+and Kimi Delta Attention; `decode_windows` and `prefill_pieces` are their shared conv-state
+bookkeeping).
 
 The engine's state machinery (`StatePool` slots and their host tier, the prefix cache's state
 checkpoints, speculative rollback rows, the coordinator) only sees what this module names:
@@ -84,6 +85,23 @@ def capture_decodes(states: tuple[torch.Tensor, ...], meta: StateMetadata, decod
             if row is not None:
                 for t in states:
                     t[row] = t[meta.state_slots_cpu[i]]
+
+
+def decode_windows(meta: StateMetadata, inputs: torch.Tensor, conv_state: torch.Tensor
+                   ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The one-token requests of a step (decodes), for a mixer with a causal conv: (their
+    indices i, their rows of `inputs` [n], their state slots [n], windows [n, C, K]: each
+    slot's conv state with the token's conv input `inputs` [T, C] appended), the slots' conv
+    states advanced by one token; None when the step has no decode."""
+    qsl, slots = meta.query_start_loc_cpu, meta.state_slots_cpu
+    decodes = [i for i in range(len(slots)) if qsl[i + 1] - qsl[i] == 1]
+    if not decodes:
+        return None
+    rows = torch.tensor([qsl[i] for i in decodes], device=inputs.device)
+    idx = meta.state_slots[decodes] if len(decodes) < len(slots) else meta.state_slots
+    window = torch.cat((conv_state[idx], inputs[rows, :, None].to(conv_state.dtype)), dim=-1)  # [n, C, K]
+    conv_state[idx] = window[:, :, 1:]
+    return decodes, rows, idx, window
 
 
 def prefill_pieces(meta: StateMetadata, inputs: torch.Tensor, conv_state: torch.Tensor
