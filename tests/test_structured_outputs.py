@@ -75,6 +75,75 @@ def test_regex_choice_and_grammar(llm: LLM) -> None:
     assert isinstance(json.loads(texts[4]), dict), texts[4]
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer",
+        "minimum": 1, "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_structural_tag_constrains_only_what_follows_a_trigger(llm: LLM) -> None:
+    """vLLM's structural_tag: free text, then the schema after `begin`, then `end`. The
+    trigger is the text the model writes first anyway (greedy), so the tag opens at once."""
+    prompt = "def parse(path):"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+    trigger = llm.get_tokenizer().decode(free.token_ids[:1])
+    tag = {"structures": [{"begin": trigger + "<get>", "schema": CITY, "end": "</get>"}], "triggers": [trigger]}
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=SO(structural_tag=tag,
+                                                                                disable_any_whitespace=True))
+    text = llm.generate([prompt], params)[0].outputs[0].text
+    begin = text.index(trigger + "<get>")
+    assert text[:begin] == "", text  # the model's own first token is the trigger
+    assert "</get>" in text, text
+    args = text[len(trigger + "<get>"):].split("</get>", 1)[0]
+    jsonschema.validate(json.loads(args), CITY)
+    assert json.dumps(json.loads(args), separators=(",", ":")) == args  # compact inside the tag too
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_structural_tag_trigger_as_a_special_token_or_as_text(special: bool) -> None:
+    """A `<tool_call>` trigger is matched as the special token when the tokenizer has one
+    (Qwen3, Hermes), else as text; either way the arguments follow the schema."""
+    from transformers import AutoTokenizer
+
+    from moestream.structured_output.guidance import GuidanceBackend
+
+    tok = AutoTokenizer.from_pretrained(demo_model_path())
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    backend = GuidanceBackend(tok, len(tok))
+    tag = SO(structural_tag={"structures": [{"begin": '<tool_call>{"name": "get", "arguments": ', "schema": CITY,
+                                             "end": "}</tool_call>"}], "triggers": ["<tool_call>"]})
+
+    def accepts(text: str) -> bool:
+        m = backend.matcher(tag)
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>{"name": "get", "arguments": {"city": "Rome", "days": 2}}</tool_call>'
+    assert (len(tok.encode("<tool_call>", add_special_tokens=False)) == 1) == special
+    assert accepts("Let me look. " + call + " Done.")
+    assert not accepts('Let me look. <tool_call>{"name": "get", "arguments": {"city": "Oslo"')
+    assert accepts("No call at all, just text <tool_ca")
+
+
+def test_whitespace_pattern_sets_what_json_may_hold_between_tokens(llm: LLM) -> None:
+    backend = llm.llm_engine.grammar_backend
+    tok = llm.get_tokenizer()
+
+    def accepts(params: SO, text: str) -> bool:
+        m = backend.matcher(params)
+        return all(m.accept(t) for t in tok.encode(text, add_special_tokens=False))
+
+    one_space = SO(json=CITY, whitespace_pattern="[ ]?")
+    assert accepts(one_space, '{ "city": "Rome", "days": 3 }')
+    assert not accepts(one_space, '{\n"city"')
+    assert not accepts(one_space, '{  "city"')  # two spaces
+    assert accepts(SO(json=CITY), '{\n  "city"')  # the default allows any whitespace
+    assert not accepts(SO(json=CITY, whitespace_pattern="[ ]?", disable_any_whitespace=True), '{ "city"')
+    out = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=40, structured_outputs=one_space))
+    for o in out:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), CITY)
+        assert not re.search(r"[\n\t]|  ", o.outputs[0].text), o.outputs[0].text
+
+
 def test_constrained_outputs_survive_preemption_and_prefix_hits() -> None:
     constrained = SamplingParams(temperature=0, max_tokens=64, structured_outputs=SO(json=SCHEMA,
                                                                                      disable_any_whitespace=True))
@@ -100,7 +169,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm: LLM) -> None
         with pytest.raises(ValueError, match=message):
             llm.generate(["a", "b"], [ok, SamplingParams(structured_outputs=so)])
         assert not llm.llm_engine.requests
-    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got json, regex"):
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object, structural_tag; got json, regex"):
         SO(json={}, regex="a")
     with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})

@@ -58,15 +58,19 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema;
+    or vLLM's `structural_tag` (`structures` of {begin, schema, end} and their `triggers`)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class StructuredOutputsField(_Request):
     """vLLM's `structured_outputs` extra field: exactly one of `json` (a schema), `regex`,
-    `choice`, `grammar` (Lark or GBNF), `json_object`; `disable_any_whitespace`."""
+    `choice`, `grammar` (Lark or GBNF), `json_object`, `structural_tag`;
+    `disable_any_whitespace`, `whitespace_pattern`."""
 
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
@@ -75,13 +79,16 @@ class StructuredOutputsField(_Request):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingRequest(_Request):
     """Fields common to completions and chat completions. A constraint comes from one of
     `response_format` (json_object, json_schema), vLLM's `structured_outputs`, or its older
-    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (accepted as aliases)."""
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (accepted as aliases,
+    with `guided_whitespace_pattern`)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -110,6 +117,7 @@ class SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -135,16 +143,23 @@ class SamplingRequest(_Request):
                 if rf.json_schema is None or rf.json_schema.json_schema is None:
                     raise ParamError("response_format.json_schema",
                                      "response_format of type json_schema needs json_schema.schema")
-                found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+                found.append(("response_format", StructuredOutputsParams(
+                    json=rf.json_schema.json_schema, whitespace_pattern=self.guided_whitespace_pattern)))
+            elif rf is not None and rf.type == "structural_tag":
+                found.append(("response_format", StructuredOutputsParams(
+                    structural_tag={"structures": rf.structures, "triggers": rf.triggers})))
             so = self.structured_outputs
             if so is not None:
                 found.append(("structured_outputs", StructuredOutputsParams(
                     json=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                    json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)))
+                    json_object=so.json_object, structural_tag=so.structural_tag,
+                    disable_any_whitespace=so.disable_any_whitespace, whitespace_pattern=so.whitespace_pattern)))
             for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                                ("guided_grammar", "grammar")):
                 if getattr(self, name) is not None:
-                    found.append((name, StructuredOutputsParams(**{kind: getattr(self, name)})))
+                    found.append((name, StructuredOutputsParams(
+                        **{kind: getattr(self, name)},
+                        whitespace_pattern=self.guided_whitespace_pattern if kind == "json" else None)))
         except ParamError:
             raise
         except ValueError as e:

@@ -200,14 +200,26 @@ class GuidanceBackend:
                 return self._cache[key]
         kind = params.kind
         any_to_lark, GbnfToLarkError = llg.gbnf_to_lark.any_to_lark, llg.gbnf_to_lark.GbnfToLarkError
-        flexible = not params.disable_any_whitespace
+        # JSON layout: compact, any whitespace, or whitespace matching the request's pattern
+        ws = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None and not params.disable_any_whitespace:
+            ws = {"whitespace_pattern": params.whitespace_pattern}
         try:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": flexible})
+                grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=ws)
             elif kind == "json_object":
-                grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}',
-                                                                 defaults={"whitespace_flexible": flexible})
+                grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=ws)
+            elif kind == "structural_tag":  # free text with JSON-schema segments opened by triggers
+                spec = params.structural_tag_spec()
+                tags = [llg.StructTag(trigger=next(t for t in spec["triggers"] if s["begin"].startswith(t)),
+                                      begin=s["begin"], grammar={**s["schema"], "x-guidance": ws}
+                                      if isinstance(s["schema"], dict) else s["schema"], end=s["end"])
+                        for s in spec["structures"]]
+                # a trigger written <...> is one special token if the tokenizer has it as one
+                added = self._hf_tokenizer.get_added_vocab()
+                special = all(t in added for t in spec["triggers"] if re.fullmatch(r"<[^<>]*>", t))
+                grammar = llg.LLMatcher.grammar_from_lark(llg.StructTag.to_grammar(tags, assume_special=special))
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(params.regex)
             elif kind == "choice":
