@@ -246,6 +246,14 @@ def load_resident_experts(
     moe_layers = [i for i, m in enumerate(cfg.moe_layers) if m]
     with tqdm(total=len(moe_layers) * num, desc="Loading experts", unit="expert", disable=None) as bar:
         for layer in moe_layers:
+            split = get_model_class(cfg.model_type).split_expert_tensors(cfg, layer)
+            if split is not None:  # gate, up [E, H, I] and down [E, I, H], multiplied as x @ W
+                gate, up = (reader.get(n, (num, hidden, inter)).to(device=device, dtype=dtype) for n in split[:2])
+                down = reader.get(split[2], (num, inter, hidden)).to(device=device, dtype=dtype)
+                store.set_layer(layer, torch.cat((gate, up), dim=2).transpose(1, 2).contiguous(),
+                                down.transpose(1, 2).contiguous())
+                bar.update(num)
+                continue
             fused = _fused_names(cfg, reader, layer)
             if fused is not None and _transposed(cfg):  # [E, H, 2I] and [E, I, H], multiplied as x @ W
                 gate_up = reader.get(fused[0], (num, hidden, 2 * inter)).to(device=device, dtype=dtype)
@@ -289,6 +297,15 @@ def expert_locations(
     inter, hidden, num = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     out = {}
     for layer in (i for i, m in enumerate(cfg.moe_layers) if m):
+        split = get_model_class(cfg.model_type).split_expert_tensors(cfg, layer)
+        if split is not None:  # slices [e] of gate, up [E, H, I] and down [E, I, H], read transposed
+            whole = [reader.locate(n, (num, hidden, inter)) for n in split[:2]] + [reader.locate(split[2], (num, inter, hidden))]
+            for e in range(num):
+                out[(layer, e)] = tuple(
+                    dataclasses.replace(loc, name=f"{loc.name}[{e}]", offset=loc.offset + e * (loc.nbytes // num),
+                                        nbytes=loc.nbytes // num, shape=loc.shape[1:], transposed=True)
+                    for loc in whole)
+            continue
         fused = _fused_names(cfg, reader, layer)
         if fused is not None and _transposed(cfg):
             gate_up, down = reader.locate(fused[0], (num, hidden, 2 * inter)), reader.locate(fused[1], (num, inter, hidden))

@@ -1,5 +1,6 @@
 """Build tiny random-weight HF checkpoints (Qwen3-MoE, Mixtral, Qwen3-Next, Qwen3.5-MoE,
-DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, Granite-4.0-H, Nemotron-H, Kimi-Linear) with a real tokenizer.
+DeepSeek-V2, DeepSeek-V3, GLM-4.5, gpt-oss, Granite-4.0-H, Nemotron-H, Kimi-Linear; and loop-moe, written
+directly in its reference's layout) with a real tokenizer.
 
 Used by the test fixtures, and runnable: `python tests/tiny_checkpoint.py OUT_DIR [--model-type qwen3_next]`.
 Qwen3.5-MoE comes as the text-only class (`qwen3_5_moe`, model_type qwen3_5_moe_text) or the
@@ -178,6 +179,67 @@ def make_tiny_checkpoint(out_dir: str, model_type: str = "qwen3_moe", seed: int 
     return out_dir
 
 
+# A tiny loop-moe (Foil): 1 head layer, a stack of 2 layers run 3 times, 1 tail layer (8 unrolled
+# layers); 16 experts in the stack, 8 (the architecture's fixed count) in the head and tail.
+LOOP_MOE = dict(vocab_size=32000, context_length=512, d_model=64, num_heads=4, d_ff=64, rope_theta=10000.0,
+                width_ratio=0.5, num_layers_in_stack=2, num_stacks=3, num_experts=16, num_active=2,
+                lb_loss_factor=0.01, lz_loss_factor=0.001, num_head_layers=1, num_tail_layers=1,
+                per_pass_attention=True, eos_token_id=2, bos_token_id=1)
+
+
+def make_loop_moe_checkpoint(out_dir: str, seed: int = 0, **overrides: object) -> str:
+    """Write a tiny random loop-moe checkpoint in the reference's layout (config.json with
+    `model_type` "loop-moe", model.safetensors with its tensor names and [E, in, out] experts,
+    each attention's persistent `rope.rotations` table) and the Mistral tokenizer.
+    transformers has no loop-moe class, so the tensors are written directly."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = {**LOOP_MOE, **overrides, "model_type": "loop-moe", "architectures": ["LoopMoEForCausalLM"]}
+    d, heads, k = cfg["d_model"], cfg["num_heads"], cfg["num_active"]
+    d_k, inter = d // heads, cfg["d_ff"] // k
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int, std: float = 0.08) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    # the reference's table: [context_length, d_k/2, 2, 2] rows [[cos, -sin], [sin, cos]], angles in float64
+    pos = torch.arange(cfg["context_length"], dtype=torch.float64)[:, None]
+    ang = pos / cfg["rope_theta"] ** (2 * torch.arange(d_k // 2, dtype=torch.float64) / d_k)
+    rot = torch.stack([torch.stack([ang.cos(), -ang.sin()], -1), torch.stack([ang.sin(), ang.cos()], -1)], -2).float()
+    t: dict[str, torch.Tensor] = {"model.token_embeddings.weight": randn(cfg["vocab_size"], d, std=1.0),
+                                  "model.lm_head.weight": randn(cfg["vocab_size"], d)}
+
+    def attention(prefix: str) -> None:
+        for n in ("q_proj", "k_proj", "v_proj", "output_proj"):
+            t[f"{prefix}.{n}.weight"] = randn(d, d)
+        t[f"{prefix}.rope.rotations"] = rot.clone()
+
+    def moe(prefix: str, num: int) -> None:
+        t[f"{prefix}.router.gate.weight"] = randn(num, d, std=0.3)
+        t[f"{prefix}.experts_w1"], t[f"{prefix}.experts_w3"] = randn(num, d, inter), randn(num, d, inter)
+        t[f"{prefix}.experts_w2"] = randn(num, inter, d)
+
+    for block, count in (("head", cfg["num_head_layers"]), ("tail", cfg["num_tail_layers"])):
+        for i in range(count):
+            attention(f"model.{block}_layers.{i}.attn")
+            moe(f"model.{block}_layers.{i}", 8)
+    for l in range(cfg["num_layers_in_stack"]):
+        if cfg["per_pass_attention"]:
+            for r in range(cfg["num_stacks"]):
+                attention(f"model.stack.layers.{l}.attn.{r}")
+        else:
+            attention(f"model.stack.layers.{l}.attn")
+        moe(f"model.stack.layers.{l}", cfg["num_experts"])
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(t, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    _copy_tokenizer(os.path.join(FIXTURES, "mistral_v1"), out_dir)
+    return out_dir
+
+
 def _randomize(model: torch.nn.Module, biases: bool = False) -> None:
     """Larger-than-default init so that routing and logits are far from uniform (fewer numerical
     ties); norm weights are perturbed too, so that a zero-centred norm's offset matters.
@@ -231,7 +293,10 @@ def _add_vision_tokens(out_dir: str) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out_dir")
-    ap.add_argument("--model-type", default="qwen3_moe", choices=sorted(TOKENIZERS))
+    ap.add_argument("--model-type", default="qwen3_moe", choices=sorted(TOKENIZERS) + ["loop-moe"])
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(make_tiny_checkpoint(args.out_dir, args.model_type, args.seed))
+    if args.model_type == "loop-moe":
+        print(make_loop_moe_checkpoint(args.out_dir, args.seed))
+    else:
+        print(make_tiny_checkpoint(args.out_dir, args.model_type, args.seed))

@@ -12,6 +12,7 @@ from moestream.config.model import (
     SUPPORTED_ROPE_TYPES,
     ExpertActivation,
     Mamba2Config,
+    LoopConfig,
     MLAConfig,
     ModelConfig,
     MultiModalConfig,
@@ -20,5 +21,5 @@ from moestream.config.model import (
 )
 from moestream.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
-__all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "Mamba2Config", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
+__all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "LoopConfig", "Mamba2Config", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
            "SpeculativeConfig", "MAX_SPECULATIVE_TOKENS", "SUPPORTED_ROPE_TYPES", "resolve_dtype"]

@@ -102,6 +102,44 @@ class Mamba2Config:
         return self.num_heads * self.head_dim + 2 * self.num_groups * self.state_size
 
 
+@dataclass(frozen=True)
+class LoopConfig:
+    """A looped MoE's layer layout (Foil's `loop-moe`): `num_head_layers` layers run once,
+    then a stack of `num_layers_in_stack` (L) layers run `num_stacks` (R) times, then
+    `num_tail_layers` layers run once. Decoder layer u counts the unrolled depth
+    head + L * R + tail; each u has its own KV cache. The stack's router and experts (and its
+    attention, unless `per_pass_attention`) are shared by the R passes. Head and tail layers
+    have `outer_num_experts` experts each."""
+
+    num_head_layers: int
+    num_layers_in_stack: int
+    num_stacks: int
+    num_tail_layers: int
+    per_pass_attention: bool
+    outer_num_experts: int
+
+    @property
+    def unrolled_depth(self) -> int:
+        """Decoder layers: head + L * R + tail."""
+        return self.num_head_layers + self.num_layers_in_stack * self.num_stacks + self.num_tail_layers
+
+    def locate(self, u: int) -> tuple[str, int, int]:
+        """Decoder layer `u` as (block, pass, index in its block): ("head", 0, i),
+        ("stack", r, l) or ("tail", 0, j).
+
+        Raises:
+            IndexError: `u` outside [0, unrolled_depth).
+        """
+        if not 0 <= u < self.unrolled_depth:
+            raise IndexError(f"decoder layer {u} is outside the unrolled depth {self.unrolled_depth}")
+        h, L = self.num_head_layers, self.num_layers_in_stack
+        if u < h:
+            return "head", 0, u
+        if u < h + L * self.num_stacks:
+            return "stack", (u - h) // L, (u - h) % L
+        return "tail", 0, u - h - L * self.num_stacks
+
+
 EXPERT_ACTIVATIONS: tuple[str, ...] = ("silu", "swigluoai", "relu2")
 
 
@@ -191,6 +229,10 @@ class ModelConfig:
     then only the former. `attention_sinks`: each attention head has a learned logit added
     to its softmax's denominator (gpt-oss `sinks`). `expert_activation`: the routed
     experts' gated activation and biases.
+
+    Looped MoE (`loop`, Foil's loop-moe): `num_layers` is the unrolled depth and
+    `moe_layers` marks the stack's layers of the first pass only, the decoder indices its
+    experts are keyed by (see `LoopConfig`).
     """
 
     model_type: str
@@ -242,6 +284,7 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     use_rope: bool = True
+    loop: LoopConfig | None = None
 
     @property
     def is_hybrid(self) -> bool:

@@ -31,7 +31,8 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class TensorLocation:
-    """A tensor's bytes in a safetensors file: absolute `offset` and `nbytes` (bytes)."""
+    """A tensor's bytes in a safetensors file: absolute `offset` and `nbytes` (bytes).
+    `transposed`: the matrix is stored x @ W ([in, out]) and is read back as [out, in]."""
 
     path: str
     name: str
@@ -39,6 +40,7 @@ class TensorLocation:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    transposed: bool = False
 
 
 def read_safetensors_header(path: str) -> dict[str, TensorLocation]:
@@ -136,7 +138,8 @@ class DiskTier:
     def read_into(self, key: ExpertKey, gate_up: torch.Tensor, down: torch.Tensor) -> int:
         """Copy expert `key` into gate_up [2I, H] and down [H, I] (any dtype/device). Returns
         bytes read. Two locations (gate_up [H, 2I], down [I, H]: gpt-oss's x @ W layout) are
-        transposed as they are copied."""
+        transposed as they are copied, and so is each of three marked `transposed` (loop-moe's
+        `experts_w1/w3/w2`)."""
         if len(self.locations[key]) == 2:
             gu, dn = self.locations[key]
             gate_up.copy_(self._read(gu).T)
@@ -144,14 +147,18 @@ class DiskTier:
             return gu.nbytes + dn.nbytes
         gate, up, dn = self.locations[key]
         if gate is None:  # ungated (Nemotron-H): gate_up is the up projection [I, H]
-            gate_up.copy_(self._read(up))
-            down.copy_(self._read(dn))
+            gate_up.copy_(self._read_matrix(up))
+            down.copy_(self._read_matrix(dn))
             return up.nbytes + dn.nbytes
-        inter = gate.shape[0]
-        gate_up[:inter].copy_(self._read(gate))
-        gate_up[inter:].copy_(self._read(up))
-        down.copy_(self._read(dn))
+        inter = gate_up.shape[0] // 2
+        gate_up[:inter].copy_(self._read_matrix(gate))
+        gate_up[inter:].copy_(self._read_matrix(up))
+        down.copy_(self._read_matrix(dn))
         return gate.nbytes + up.nbytes + dn.nbytes
+
+    def _read_matrix(self, loc: TensorLocation) -> torch.Tensor:
+        """`loc` as an [out, in] matrix (transposed as it is read when stored x @ W)."""
+        return self._read(loc).T if loc.transposed else self._read(loc)
 
     def advise(self, key: ExpertKey) -> int:
         """Ask the kernel to read expert `key`'s bytes into the page cache in the background

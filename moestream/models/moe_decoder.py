@@ -122,6 +122,13 @@ class MoEForCausalLM(nn.Module):
     # (gpt-oss: gate_up_proj [E, H, 2I], down_proj [E, I, H]), not as [out, in] matrices.
     fused_experts_transposed: bool = False
 
+    @classmethod
+    def split_expert_tensors(cls, cfg: ModelConfig, layer: int) -> tuple[str, str, str] | None:
+        """Checkpoint names of decoder layer `layer`'s experts when they are stored as three
+        fused 3-D tensors multiplied x @ W: gate [E, H, I], up [E, H, I], down [E, I, H]
+        (loop-moe's `experts_w1`, `experts_w3`, `experts_w2`); None for the other layouts."""
+        return None
+
     # ---- configuration: HF config.json -> ModelConfig ------------------------------------
 
     @classmethod

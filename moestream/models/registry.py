@@ -6,6 +6,7 @@ from moestream.models.glm4_moe import Glm4MoeForCausalLM
 from moestream.models.granite_moe_hybrid import GraniteMoeHybridForCausalLM
 from moestream.models.gpt_oss import GptOssForCausalLM
 from moestream.models.kimi_linear import KimiLinearForCausalLM
+from moestream.models.loop_moe import LoopMoEForCausalLM
 from moestream.models.mixtral import MixtralForCausalLM
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.models.nemotron_h import NemotronHForCausalLM
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[MoEForCausalLM]] = {
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "kimi_linear": KimiLinearForCausalLM,
+    "loop-moe": LoopMoEForCausalLM,
 }
 
 
