@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
@@ -422,6 +423,20 @@ def load_packed_experts(
     disk.close()
 
 
+def _config_for_tokenizer(model_dir: str) -> dict[str, Any]:
+    """`config=` for AutoTokenizer when transformers has no config class for the checkpoint's
+    model_type (loop-moe): an empty config, so that the tokenizer files alone choose the
+    tokenizer, without transformers' warning that it loads the config as another type."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {} if model_type in CONFIG_MAPPING else {"config": PretrainedConfig()}
+
+
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     """AutoTokenizer from the checkpoint directory.
 
@@ -437,7 +452,7 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
             "tokenizer files (tokenizer.json and tokenizer_config.json) into the checkpoint directory"
         )
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, **_config_for_tokenizer(model_dir))
     except StrictDataclassError as e:  # a config.json field transformers validates, not a tokenizer file
         path, detail = os.path.join(model_dir, "config.json"), " ".join(str(e).split())
         raise ValueError(f"config.json at {path}: transformers rejects it: {detail}") from e

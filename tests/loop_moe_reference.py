@@ -2,7 +2,7 @@
 (`src/model/modeling_loop_lm.py` of SR-A-W/how-to-loop-moe-iclr27-submission): no KV
 cache, the whole sequence recomputed per token, as the reference's own `generate`. It
 shares no code with moestream: it reads the safetensors itself, uses the checkpoint's
-stored `rope.rotations` tables, and computes the experts one (token, expert) pair at a time.
+stored `rope.rotations` tables, and computes each expert over its (token, slot) pairs.
 
     logits = LoopMoEReference(model_dir).forward(ids)   # ids [S] -> [S, V] float32
 """
@@ -22,6 +22,7 @@ class LoopMoEReference:
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = json.load(f)
         self.w = {k: v.float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+        self.routes: list[tuple[str, torch.Tensor]] = []  # the last forward's (layer prefix, top-k ids [S, k]) in run order
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:  # RMSNorm without gain, eps 1e-5
@@ -51,12 +52,12 @@ class LoopMoEReference:
         probs = (x @ w[p + ".router.gate.weight"].T).float().softmax(-1)  # over all experts
         top, ids = probs.topk(k, dim=-1)
         top = top / top.sum(-1, keepdim=True)
+        self.routes.append((p, ids))
         out = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(k):
-                e = int(ids[t, j])
-                h = F.silu(x[t] @ w[p + ".experts_w1"][e]) * (x[t] @ w[p + ".experts_w3"][e])
-                out[t] += top[t, j] * (h @ w[p + ".experts_w2"][e])
+        for e in ids.unique().tolist():  # each (token, expert) pair of expert e
+            t, j = (ids == e).nonzero(as_tuple=True)
+            h = F.silu(x[t] @ w[p + ".experts_w1"][e]) * (x[t] @ w[p + ".experts_w3"][e])
+            out.index_add_(0, t, top[t, j, None] * (h @ w[p + ".experts_w2"][e]))
         return out
 
     def _layer(self, block: str, attn: str, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +66,7 @@ class LoopMoEReference:
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         c, w = self.cfg, self.w
+        self.routes = []
         x = w["model.token_embeddings.weight"][torch.tensor(ids)]
         for i in range(c.get("num_head_layers", 0)):
             x = self._layer(f"model.head_layers.{i}", f"model.head_layers.{i}.attn", x)

@@ -2,7 +2,8 @@
 reference (tests/loop_moe_reference.py: no cache, the prefix recomputed per token), with
 per-pass and shared attention; the unrolled layer axis (one KV cache per (layer, pass),
 the stack's parameters held once); paging, prefix hits and speculation bit-exact against
-the resident run, chunked prefill and verified drafts (exact accepted counts) equal to float32 rounding; config errors naming the field."""
+the resident run; chunked prefill, preemption and verified drafts (exact accepted counts) equal to
+float32 rounding; config errors naming the field."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from scripted_proposer import ScriptedProposer
 from tiny_checkpoint import LOOP_MOE, make_loop_moe_checkpoint
 
 PROMPTS = [[1, 415, 2936, 9060, 285, 1142], [1, 822, 285, 28732, 28744], [1, 22557, 28725, 1526, 28808] * 8,
-           [1, 851, 349, 264, 1369, 302, 272, 3798, 4605, 28723]]
+           [1, 851, 349, 264, 1369, 302, 272, 3798, 4605, 28723], [1, 28705, 13, 1270, 2774], [1, 3195, 28747] * 5,
+           [1, 9884, 1693, 28723, 330, 2005], [1] + list(range(300, 340))]
 NEW_TOKENS = 10
 
 
@@ -36,14 +38,50 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) 
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
-def test_greedy_tokens_and_logits_equal_the_reference(loop_dir: str) -> None:
-    ref = LoopMoEReference(loop_dir)
-    got = _generate(LLM(loop_dir, dtype="float32", max_model_len=128), PROMPTS)  # one batch
+@pytest.mark.parametrize("layout", [
+    dict(per_pass_attention=True, num_head_layers=1, num_tail_layers=1, num_stacks=3),
+    dict(per_pass_attention=False, num_head_layers=1, num_tail_layers=1, num_stacks=3),
+    dict(per_pass_attention=True, num_head_layers=0, num_tail_layers=0, num_stacks=1),
+    dict(per_pass_attention=False, num_head_layers=0, num_tail_layers=1, num_stacks=3),
+], ids=["per_pass-h1t1-R3", "shared-h1t1-R3", "per_pass-h0t0-R1", "shared-h0t1-R3"])
+def test_greedy_tokens_and_logits_equal_the_reference(tmp_path, layout: dict) -> None:
+    """8 prompts x 32 tokens in one batch: the oracle's greedy tokens, logits within 1e-4."""
+    d = make_loop_moe_checkpoint(str(tmp_path / "m"), seed=5, **layout)
+    ref = LoopMoEReference(d)
+    got = _generate(LLM(d, dtype="float32", max_model_len=128), PROMPTS, 32)
     for prompt, (tokens, rec) in zip(PROMPTS, got):
-        want, logps = ref.greedy(prompt, NEW_TOKENS)
+        want, logps = ref.greedy(prompt, 32)
         assert tokens == want
         for logits, ref_logp in zip(rec.logits, logps):
             assert torch.allclose(logits.float().log_softmax(-1), ref_logp, atol=1e-4)
+
+
+def test_routing_trace_records_each_pass_and_replays(loop_dir: str, tmp_path) -> None:
+    """The recorded (layer, pass, experts) of every token equal the oracle's routing, in the
+    order the layers ran; trace-sim replays the trace."""
+    from moestream.experts.policy import make_policy
+    from moestream.experts.trace import RoutingTrace
+    from moestream.experts.trace_sim import simulate
+
+    path = str(tmp_path / "routing.npz")
+    llm = LLM(loop_dir, dtype="float32", max_model_len=128, record_routing=path)
+    prompt = PROMPTS[3]
+    tokens = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+    llm.llm_engine.save_routing_trace()
+    trace = RoutingTrace.load(path)
+    ref = LoopMoEReference(loop_dir)
+    ref.forward(prompt + tokens[:-1])  # every position the engine computed
+    stack = [ids for p, ids in ref.routes if p.startswith("model.stack")]  # (pass, layer) in run order
+    R, L = LOOP_MOE["num_stacks"], LOOP_MOE["num_layers_in_stack"]
+    assert len(trace) == (len(prompt) + len(tokens) - 1) * L * R
+    for i in range(len(trace)):
+        pos, j = divmod(i, L * R)
+        r, l = divmod(j, L)
+        assert trace.token[i] == pos and trace.loop_pass[i] == r
+        assert trace[i] == (1 + l, tuple(stack[j][pos].tolist()))
+    for policy in ("lru", "next_use"):
+        res = simulate(trace, make_policy(policy), capacity=8)
+        assert res.hits + res.misses == trace.num_key_accesses
 
 
 def test_unrolled_layers_share_the_stack_and_keep_a_kv_cache_each(loop_dir: str) -> None:
@@ -83,6 +121,7 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
         "25%": dict(expert_budget=0.25),
         "minimum": dict(expert_budget=min_budget),
         "chunked": dict(max_num_batched_tokens=8),
+        "preempted": dict(kv_cache_memory_bytes=12 * 16 * 4096),  # 12 blocks of 16 tokens: too few for all
         "drafts": dict(expert_budget=0.25, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                "adaptive": False}),
     }
@@ -96,7 +135,7 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
             got = _generate(llm, PROMPTS)
             for (ta, ra), (tb, rb) in zip(resident, got):
                 assert ta == tb, (name, sighting)
-                if name in ("chunked", "drafts"):  # several positions per forward: equal to float32 rounding
+                if name in ("chunked", "drafts", "preempted"):  # other positions per forward: float32 rounding
                     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ra.logits, rb.logits)), sighting
                 else:
                     assert all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits)), (name, sighting)
@@ -111,6 +150,8 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
             assert stats["misses"] > 0 and stats["resident"] is False
         if name == "minimum":
             assert llm.llm_engine.expert_store.num_slots == cfg.num_experts_per_tok
+        if name == "preempted":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("edit, field", [
