@@ -5,7 +5,10 @@ model path. Both are trained on the Python standard library by `scripts/train_de
   16 experts, top-2);
 - `demo-hybrid` (`moestream/demo_hybrid_model/`, `--arch qwen3_5_moe`): a ~11M-parameter
   Qwen3.5-MoE (Gated DeltaNet and gated attention 3:1, 16 experts top-2 and a shared
-  expert) with one MTP layer for speculative decoding.
+  expert) with one MTP layer for speculative decoding;
+- `demo-looped` (`moestream/demo_looped_model/`, `scripts/train_demo_looped.py`): a
+  ~11M-parameter looped MoE (`loop-moe`, Foil-style: one head layer, a stack of 2 layers run
+  4 times with per-pass attention, 16 experts top-2, one tail layer).
 
 A model argument that names one of them (and is not an existing directory) means it.
 """
@@ -15,11 +18,11 @@ from __future__ import annotations
 import os
 from importlib import resources
 
-BUILTIN_MODELS = {"demo": "demo_model", "demo-hybrid": "demo_hybrid_model"}
+BUILTIN_MODELS = {"demo": "demo_model", "demo-hybrid": "demo_hybrid_model", "demo-looped": "demo_looped_model"}
 
 
 def builtin_model_path(name: str) -> str:
-    """Directory of the packaged checkpoint `name` ("demo" or "demo-hybrid").
+    """Directory of the packaged checkpoint `name` ("demo", "demo-hybrid" or "demo-looped").
 
     Raises:
         ValueError: `name` is not a built-in model, or the package was installed without it.
@@ -47,7 +50,7 @@ def demo_hybrid_model_path() -> str:
 
 def resolve_model(model: str | os.PathLike) -> str | os.PathLike:
     """`model` itself, or the built-in checkpoint's directory when `model` is a built-in name
-    ("demo", "demo-hybrid") and no directory of that name exists here."""
+    ("demo", "demo-hybrid", "demo-looped") and no directory of that name exists here."""
     if isinstance(model, str) and model in BUILTIN_MODELS and not os.path.isdir(model):
         return builtin_model_path(model)
     return model

@@ -12,9 +12,10 @@ z-loss, muP-style initialisation. Files whose path hashes to 0 mod 20 are held o
 
 Writes moestream/demo_looped_model/ (config.json, model.safetensors in bf16 without the
 rotary tables, which readers recompute, tokenizer, generation_config.json,
-training_metrics.json) and docs/demo_looped_model_loss.png.
+training_metrics.json), docs/demo_looped_model_loss.png and the routing trace fixture
+tests/fixtures/traces/demo_looped_heldout.npz.
 
-    python scripts/train_demo_looped.py [--minutes 40]
+    python scripts/train_demo_looped.py [--minutes 45]
 """
 
 from __future__ import annotations
@@ -181,10 +182,41 @@ def moestream_loss(out_dir: str, text_path: str) -> float:
     from moestream import LLM, SamplingParams
 
     llm = LLM(out_dir, dtype="float32", max_model_len=2048)
-    ids = llm.get_tokenizer().encode(open(text_path).read())[:2048]
+    with open(text_path) as f:
+        ids = llm.get_tokenizer().encode(f.read())[:2048]
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     lps = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
     return -float(np.mean(lps))
+
+
+TRACE_PATH = os.path.join(ROOT, "tests", "fixtures", "traces", "demo_looped_heldout.npz")
+
+
+def record_trace(out_dir: str, val_texts: list[str]) -> None:
+    """The looped demo's routing on held-out text (16 prompts of 96 tokens, 32 greedy tokens
+    each), with each access's pass, to `tests/fixtures/traces/demo_looped_heldout.npz`."""
+    from moestream import LLM, SamplingParams
+
+    llm = LLM(out_dir, dtype="float32", max_model_len=512, record_routing=TRACE_PATH)
+    tok = llm.get_tokenizer()
+    prompts = [ids[:96] for ids in (tok.encode(t) for t in val_texts[40:120]) if len(ids) >= 96][:16]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32),
+                 use_tqdm=False)
+    llm.llm_engine.save_routing_trace()
+    print(f"routing trace: {TRACE_PATH} ({os.path.getsize(TRACE_PATH)} bytes)", flush=True)
+
+
+def finalize(out_dir: str, val_texts: list[str]) -> None:
+    """Record the fixed-text loss bound (through moestream) in training_metrics.json, and the
+    routing trace fixture."""
+    path = os.path.join(out_dir, "training_metrics.json")
+    with open(path) as f:
+        metrics = json.load(f)
+    metrics["fixed_text_loss"] = moestream_loss(out_dir, os.path.join(ROOT, "tests", "fixtures", "demo_heldout.txt"))
+    with open(path, "w") as f:
+        json.dump(metrics, f, indent=1)
+    print(f"fixed-text loss through moestream {metrics['fixed_text_loss']:.4f}", flush=True)
+    record_trace(out_dir, val_texts)
 
 
 def main() -> int:
@@ -196,6 +228,8 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--finalize-only", action="store_true",
+                    help="skip training; record the fixed-text loss and the routing trace of the checkpoint in --out")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -212,6 +246,9 @@ def main() -> int:
             ids += enc.ids + [eot]
         return np.asarray(ids, dtype=np.int32)
 
+    if args.finalize_only:
+        finalize(args.out, [read(f) for f in files if is_heldout(f, base)])
+        return 0
     train_ids = encode([read(f) for f in files if not is_heldout(f, base)])
     val_ids = encode([read(f) for f in files if is_heldout(f, base)])
     print(f"{len(train_ids) / 1e6:.1f}M train tokens, {len(val_ids) / 1e6:.2f}M held-out", flush=True)
@@ -268,11 +305,10 @@ def main() -> int:
     metrics = {"steps": step, "tokens_seen": step * args.batch * args.seq_len, "parameters": n_params,
                "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(val_ids)), "heldout_loss_fp32": final_val,
                "minutes": args.minutes, "seed": args.seed, "history": history}
-    metrics["fixed_text_loss"] = moestream_loss(args.out, os.path.join(ROOT, "tests", "fixtures", "demo_heldout.txt"))
     with open(os.path.join(args.out, "training_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1)
-    print(f"fixed-text loss through moestream {metrics['fixed_text_loss']:.4f}", flush=True)
     plot_history(history, args.plot, "moestream looped demo model (loop-moe)")
+    finalize(args.out, [read(f) for f in files if is_heldout(f, base)])
     return 0
 
 

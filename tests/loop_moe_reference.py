@@ -28,11 +28,19 @@ class LoopMoEReference:
     def _norm(x: torch.Tensor) -> torch.Tensor:  # RMSNorm without gain, eps 1e-5
         return x / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + 1e-5)
 
+    def _table(self, s: int, d_k: int) -> torch.Tensor:
+        """The reference's rotation table, for checkpoints saved without it: rows [[cos, -sin],
+        [sin, cos]] of pos / theta^(2j / d_k), in float64, then float32."""
+        pos = torch.arange(s, dtype=torch.float64)[:, None]
+        ang = pos / self.cfg["rope_theta"] ** (2 * torch.arange(d_k // 2, dtype=torch.float64) / d_k)
+        return torch.stack([torch.stack([ang.cos(), -ang.sin()], -1),
+                            torch.stack([ang.sin(), ang.cos()], -1)], -2).float()
+
     def _attention(self, p: str, x: torch.Tensor) -> torch.Tensor:
         w, c = self.w, self.cfg
         s, heads = x.shape[0], c["num_heads"]
         d_k = c["d_model"] // heads
-        rot = w[p + ".rope.rotations"][:s]  # [S, d_k/2, 2, 2]
+        rot = w[p + ".rope.rotations"][:s] if p + ".rope.rotations" in w else self._table(s, d_k)  # [S, d_k/2, 2, 2]
 
         def heads_of(name: str, rope: bool) -> torch.Tensor:
             h = (x @ w[f"{p}.{name}.weight"].T).view(s, heads, d_k).transpose(0, 1)  # [heads, S, d_k]
@@ -78,11 +86,18 @@ class LoopMoEReference:
             x = self._layer(f"model.tail_layers.{i}", f"model.tail_layers.{i}.attn", x)
         return self._norm(x) @ w["model.lm_head.weight"].T
 
-    def greedy(self, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-        """n greedy tokens after `ids`, and the log-softmax [V] each was chosen from."""
+    def greedy(self, ids: list[int], n: int, repetition_penalty: float = 1.0) -> tuple[list[int], list[torch.Tensor]]:
+        """n greedy tokens after `ids`, and the log-softmax [V] of the raw logits each was chosen
+        from. `repetition_penalty` as HF's (CTRL, arXiv 1909.05858): the logit of every token
+        seen so far is divided by it when positive, multiplied when not."""
         out, logps = [], []
         for _ in range(n):
             logits = self.forward(ids + out)[-1]
             logps.append(logits.log_softmax(-1))
+            if repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(ids + out)))
+                picked = logits[seen]
+                logits = logits.clone()
+                logits[seen] = torch.where(picked > 0, picked / repetition_penalty, picked * repetition_penalty)
             out.append(int(logits.argmax()))
         return out, logps

@@ -1,7 +1,8 @@
 """The built-in demo models ("demo", a Qwen3-MoE; "demo-hybrid", a Qwen3.5-MoE hybrid with an
-MTP layer): each ships in the installed package, matches HF greedy, and its loss on a fixed
-held-out text stays under the bound recorded at training time; the hybrid's MTP drafts are
-accepted at least as often as recorded."""
+MTP layer; "demo-looped", a looped MoE): each ships in the installed package, matches HF
+greedy (the looped one: the float32 oracle of tests/loop_moe_reference.py, as HF has no
+loop-moe), and its loss on a fixed held-out text stays under the bound recorded at training
+time; the hybrid's MTP drafts are accepted at least as often as recorded."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from moestream import LLM, SamplingParams
 from moestream.demo import builtin_model_path, resolve_model
 
 HELDOUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo_heldout.txt")
-DEMOS = ["demo", "demo-hybrid"]
+DEMOS = ["demo", "demo-hybrid", "demo-looped"]
 
 
 @pytest.fixture(scope="module", params=DEMOS)
@@ -39,7 +40,7 @@ def test_demo_model_ships_in_the_package(name: str) -> None:
         assert os.path.isfile(os.path.join(path, f)), f
     assert os.path.getsize(os.path.join(path, "model.safetensors")) < 25 * 10**6
     assert resolve_model(name) == path and resolve_model("/some/dir") == "/some/dir"
-    with pytest.raises(ValueError, match="unknown built-in model 'demo-x'; built-in: demo, demo-hybrid"):
+    with pytest.raises(ValueError, match="unknown built-in model 'demo-x'; built-in: demo, demo-hybrid, demo-looped"):
         builtin_model_path("demo-x")
 
 
@@ -65,6 +66,18 @@ def test_greedy_matches_hf(demo: tuple[str, LLM]) -> None:
 
     name, llm = demo
     prompt = "def fibonacci(n):"
+    if name == "demo-looped":
+        from loop_moe_reference import LoopMoEReference
+
+        ref_model, ids = LoopMoEReference(builtin_model_path(name)), llm.get_tokenizer().encode(prompt)
+        ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0].outputs[0].token_ids
+        assert ours == ref_model.greedy(ids, 32)[0]
+        defaults = llm.get_default_sampling_params()
+        assert defaults.repetition_penalty > 1.0
+        defaults.temperature, defaults.max_tokens = 0.0, 32
+        ours = llm.generate([prompt], defaults)[0].outputs[0].token_ids
+        assert ours == ref_model.greedy(ids, 32, defaults.repetition_penalty)[0]
+        return
     hf = AutoModelForCausalLM.from_pretrained(builtin_model_path(name), dtype=torch.float32).eval()
     ids = torch.tensor([llm.get_tokenizer().encode(prompt)])
 

@@ -169,3 +169,23 @@ def test_a_bad_config_is_refused_naming_the_field(tmp_path, edit, field: str) ->
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=field):
         model_config_from_hf(d)
+
+
+def test_pass_aware_policy_on_the_looped_demos_trace() -> None:
+    """The trained looped demo's routing on held-out text (tests/fixtures/traces/
+    demo_looped_heldout.npz, scripts/train_demo_looped.py): replayed at a quarter of the stack's
+    experts, the default policy (and its variant told the passes) misses no more often than LRU."""
+    from moestream.experts.policy import make_policy
+    from moestream.experts.trace import RoutingTrace
+    from moestream.experts.trace_sim import BeladyPolicy, future_of, simulate
+
+    trace = RoutingTrace.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "traces",
+                                           "demo_looped_heldout.npz"))
+    R = int(trace.loop_pass.max()) + 1
+    assert R == 4 and set(trace.layer.tolist()) == {1, 2}  # stack layers 1-2 (after one head layer), 4 passes
+    slots = 8  # a quarter of 2 layers x 16 experts
+    got = {name: simulate(trace, make_policy(name), slots).misses for name in ("next_use", "lru")}
+    got["next_use_passes"] = simulate(trace, make_policy("next_use", passes=R), slots).misses
+    got["belady"] = simulate(trace, BeladyPolicy(future_of(trace)), slots).misses
+    print(f"misses at {slots} slots: {got}")
+    assert got["belady"] <= got["next_use"] <= got["lru"] and got["next_use_passes"] <= got["lru"]

@@ -315,3 +315,22 @@ def test_belady_is_optimal() -> None:
         assert simulate(trace, BeladyPolicy(future_of(trace)), 3).misses == opt
         for name in POLICY_NAMES:
             assert simulate(trace, make_policy(name), 3).misses >= opt
+
+
+def test_next_use_with_passes_gives_the_last_visits_experts_the_measured_reselection_rate() -> None:
+    """Looped MoE (passes=2): the experts of a layer's last visit get the measured rate at which
+    a visit re-selects the visit before's experts, counted apart for the next pass of the same
+    token and for the next token (prior 1 in 2)."""
+    p = NextUsePolicy(passes=2)
+    p.on_route(0, [0, 1], [1.0, 1.0])  # token 1, pass 0
+    p.on_route(0, [0, 2], [1.0, 1.0])  # token 1, pass 1: 1 of 2 again -> q_pass = (1 + 1) / (2 + 2)
+    p.on_route(0, [1, 3], [1.0, 1.0])  # token 2, pass 0: 0 of 2 again -> q_token = (1 + 0) / (2 + 2)
+    q = p.p_next()
+    assert q[0, 1] == q[0, 3] == 0.5  # the next visit is pass 1 of token 2
+    p.on_route(0, [1, 0], [1.0, 1.0])  # token 2, pass 1: 1 of 2 again -> q_pass = 3 / 6
+    q = p.p_next()
+    assert q[0, 1] == q[0, 0] == 0.25  # the next visit is token 3's first pass
+    plain = NextUsePolicy()  # the other experts keep the popularity estimate of a policy without passes
+    for ids in ([0, 1], [0, 2], [1, 3], [1, 0]):
+        plain.on_route(0, ids, [1.0, 1.0])
+    assert q[0, 2] == plain.p_next()[0, 2] and q[0, 3] == plain.p_next()[0, 3] and q[0, 3] > 0

@@ -94,7 +94,7 @@ _MM = "multimodal models (Qwen3.5-MoE with a vision tower)"
 class EngineConfig:
     """Engine settings, named as vLLM names them; each field's `help` (`option`) says what
     it does, its units and its default. `model` is a Hugging Face checkpoint directory or a
-    built-in model name ('demo', 'demo-hybrid').
+    built-in model name ('demo', 'demo-hybrid', 'demo-looped').
 
     Raises:
         ValueError: a field of the wrong type or out of range (the message names it).
@@ -102,8 +102,8 @@ class EngineConfig:
 
     model: str = field(metadata=dict(
         help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer), or a built-in model: "
-             "'demo' (the default, a small Qwen3-MoE trained on Python's standard library) or 'demo-hybrid' (a "
-             "small Qwen3.5-MoE hybrid with an MTP layer)", group="engine", parse=None, choices=None, metavar=None,
+             "'demo' (the default, a small Qwen3-MoE trained on Python's standard library), 'demo-hybrid' (a "
+             "small Qwen3.5-MoE hybrid with an MTP layer) or 'demo-looped' (a small looped MoE, loop-moe)", group="engine", parse=None, choices=None, metavar=None,
         default_help="demo", flag=True))
     dtype: str = option("auto", "weight and activation dtype; auto = the checkpoint's torch_dtype, except that a "
                         "bf16/fp16 checkpoint computes in float32 on a CPU without native bf16 (AVX2 only), where "

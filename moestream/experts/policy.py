@@ -328,6 +328,12 @@ class NextUsePolicy(EvictionPolicy):
     - Expected next use, in layer visits (geometric in p): d + n * (1 / p - 1).
 
     - A retention hint (`on_hint`) sets p = 1 for its keys until their layer next routes.
+    - Looped MoE (`passes` R > 1: a layer is visited R times per token, once per pass): the
+      experts of a layer's last visit get p = q, the measured rate at which a visit
+      re-selects the experts of the visit before, kept apart for a later pass of the same
+      token (q_pass) and for the next token's first pass (q_token), since the two differ.
+      Measured on the looped demo's trace it does not beat `passes=1` (docs/looped_moe.md),
+      so the engine builds the policy without it.
 
     Victim: the largest expected next use, ties broken by smallest key. Measured on the
     DeepSeek-V2-Lite routing trace against LRU, LFU and `activation` (`moestream
@@ -340,10 +346,16 @@ class NextUsePolicy(EvictionPolicy):
 
     name = "next_use"
 
-    def __init__(self, fast: float = 0.5, slow: float = 0.99, fast_weight: float = 0.3) -> None:
+    def __init__(self, fast: float = 0.5, slow: float = 0.99, fast_weight: float = 0.3, passes: int = 1) -> None:
         if not (0.0 < fast < 1.0 and 0.0 < slow < 1.0 and 0.0 <= fast_weight <= 1.0):
             raise ValueError(f"need 0 < fast, slow < 1 and 0 <= fast_weight <= 1, got {fast}, {slow}, {fast_weight}")
-        self.fast, self.slow, self.fast_weight = fast, slow, fast_weight
+        if passes < 1:
+            raise ValueError(f"need passes >= 1, got {passes}")
+        self.fast, self.slow, self.fast_weight, self.passes = fast, slow, fast_weight, passes
+        self._last = np.zeros((0, 0), dtype=bool)  # [layers, experts] routed at the layer's last visit (passes > 1)
+        self._visits = np.zeros(0, dtype=np.int64)  # [layers] visits so far
+        self._again = np.ones(2)  # re-selected experts, [next pass, next token] (a prior of 1 in 2)
+        self._offered = np.full(2, 2.0)  # experts of the visit before
         self._fast_count = np.zeros((0, 0))  # [layers, experts] decayed visits that routed e
         self._slow_count = np.zeros((0, 0))
         self._fast_visits = np.zeros(0)  # [layers] decayed visits
@@ -363,6 +375,8 @@ class NextUsePolicy(EvictionPolicy):
         self._slow_count = np.pad(self._slow_count, pad2)
         self._resident = np.pad(self._resident, pad2)
         self._hinted = np.pad(self._hinted, pad2)
+        self._last = np.pad(self._last, pad2)
+        self._visits = np.pad(self._visits, (0, r - rows))
         self._fast_visits = np.pad(self._fast_visits, (0, r - rows))
         self._slow_visits = np.pad(self._slow_visits, (0, r - rows))
         self._rank = np.pad(self._rank, (0, r - rows))
@@ -378,7 +392,12 @@ class NextUsePolicy(EvictionPolicy):
         """[layers, experts] float64: the predicted chance of each key's use at its layer's next visit."""
         pf = self._fast_count / np.maximum(self._fast_visits, 1e-300)[:, None]
         ps = self._slow_count / np.maximum(self._slow_visits, 1e-300)[:, None]
-        return np.where(self._hinted, 1.0, self.fast_weight * pf + (1.0 - self.fast_weight) * ps)
+        p = self.fast_weight * pf + (1.0 - self.fast_weight) * ps
+        if self.passes > 1:  # the last visit's experts: the measured re-selection rate of the next visit's kind
+            q = self._again / self._offered
+            next_is_token = (self._visits % self.passes == 0)[:, None]  # the next visit is a new token's first pass
+            p = np.where(self._last, np.where(next_is_token, q[1], q[0]), p)
+        return np.where(self._hinted, 1.0, p)
 
     def on_route(self, layer: int, expert_ids: Sequence[int], weights: Sequence[float]) -> None:
         self._see_layer(layer)
@@ -386,6 +405,15 @@ class NextUsePolicy(EvictionPolicy):
         if ids:
             self._grow(layer, ids[-1])
         self._hinted[layer] = False
+        if self.passes > 1:
+            kind = int(self._visits[layer] % self.passes == 0)  # 0: a later pass of the token, 1: a new token
+            prev = self._last[layer]
+            if self._visits[layer]:
+                self._again[kind] += prev[ids].sum()
+                self._offered[kind] += prev.sum()
+            prev[:] = False
+            prev[ids] = True
+            self._visits[layer] += 1
         self._fast_count[layer] *= self.fast
         self._slow_count[layer] *= self.slow
         self._fast_visits[layer] = self._fast_visits[layer] * self.fast + 1.0

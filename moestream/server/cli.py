@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(with --ray: the application and the Ray cluster it started shut down, requests "
                                      "still in flight are cancelled).")
     srv.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid'); same as "
+                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid', 'demo-looped'); same as "
                           "--model (default: the built-in demo model)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     srv.add_argument("--port", type=int, default=8000,

@@ -55,7 +55,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                     "defaults, except that generate is greedy (temperature 0) and stops after 64 tokens "
                     "unless told otherwise.")
     gen.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
-                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid'), same as "
+                     help="Hugging Face checkpoint directory or built-in model ('demo', 'demo-hybrid', 'demo-looped'), same as "
                           "--model: taken as the model only when it is an existing directory or a built-in name "
                           "followed by a prompt, else it is the first prompt")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
@@ -95,7 +95,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
 
 def split_model_and_prompts(model_dir: str | None, prompts: list[str]) -> tuple[str | None, list[str]]:
     """(model, prompts) of generate's positional arguments: the first is the model when it
-    is an existing directory or a built-in model's name ("demo", "demo-hybrid") and at least
+    is an existing directory or a built-in model's name ("demo", "demo-hybrid", "demo-looped") and at least
     one more follows; otherwise all are prompts.
 
     Raises:
