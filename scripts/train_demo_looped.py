@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_demo_model import ROOT, is_heldout, learning_rate, plot_history, read, stdlib_files  # noqa: E402
+from train_demo_model import ROOT, encode, is_heldout, learning_rate, plot_history, read, stdlib_files  # noqa: E402
 
 CONFIG = dict(model_type="loop-moe", architectures=["LoopMoEForCausalLM"], context_length=2048, d_model=256,
               num_heads=4, d_ff=256, rope_theta=10000.0, width_ratio=2.0, num_layers_in_stack=2, num_stacks=4,
@@ -239,18 +239,11 @@ def main() -> int:
     base = sysconfig.get_paths()["stdlib"]
     files = stdlib_files()
     eot = tokenizer.eos_token_id
-
-    def encode(texts: list[str]) -> np.ndarray:
-        ids: list[int] = []
-        for enc in tokenizer._tokenizer.encode_batch(texts):
-            ids += enc.ids + [eot]
-        return np.asarray(ids, dtype=np.int32)
-
     if args.finalize_only:
         finalize(args.out, [read(f) for f in files if is_heldout(f, base)])
         return 0
-    train_ids = encode([read(f) for f in files if not is_heldout(f, base)])
-    val_ids = encode([read(f) for f in files if is_heldout(f, base)])
+    train_ids = encode(tokenizer, [read(f) for f in files if not is_heldout(f, base)])
+    val_ids = encode(tokenizer, [read(f) for f in files if is_heldout(f, base)])
     print(f"{len(train_ids) / 1e6:.1f}M train tokens, {len(val_ids) / 1e6:.2f}M held-out", flush=True)
     cfg = {**CONFIG, "vocab_size": len(tokenizer), "eos_token_id": eot, "bos_token_id": eot}
     model = LoopedLM(len(tokenizer), cfg)

@@ -159,6 +159,7 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
     (lambda c: c.pop("d_ff"), "d_ff"),
     (lambda c: c.update(num_heads=5), "num_heads"),
     (lambda c: c.update(num_active=3), "num_active"),
+    (lambda c: c.update(num_active=9, d_ff=72), "num_active.* more than the 8 experts of a head or tail layer"),
 ])
 def test_a_bad_config_is_refused_naming_the_field(tmp_path, edit, field: str) -> None:
     d = str(tmp_path / "m")

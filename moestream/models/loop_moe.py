@@ -210,9 +210,9 @@ class LoopMoEForCausalLM(MoEForCausalLM):
         d_ff, num_experts = f.integer("d_ff", minimum=1), f.integer("num_experts", minimum=1)
         if d_ff % k:
             raise f.error("num_experts_per_tok", f"is {k}; it must divide d_ff {d_ff} (expert width d_ff // num_active)")
-        if k > min(num_experts, OUTER_NUM_EXPERTS if loop.num_head_layers + loop.num_tail_layers else num_experts):
-            raise f.error("num_experts_per_tok", f"is {k}, more than the experts of a layer")
-        f.number("rope_theta")
+        if loop.num_head_layers + loop.num_tail_layers and k > OUTER_NUM_EXPERTS:  # the stack's: _check_model_fields
+            raise f.error("num_experts_per_tok", f"is {k}, more than the {OUTER_NUM_EXPERTS} experts of a head or "
+                                                 "tail layer")
         h, L = loop.num_head_layers, loop.num_layers_in_stack
         return dict(
             num_kv_heads=heads,
