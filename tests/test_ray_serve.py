@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from ports import free_port
 
 from moestream import LLM, SamplingParams
 from moestream.demo import demo_model_path
@@ -28,11 +28,6 @@ NAME = "demo"
 LONG = 200  # tokens per request of the fault test: in flight for seconds, so the kill lands mid-load
 MAX_MODEL_LEN = 256
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_processes() -> set[int]:
@@ -56,7 +51,7 @@ def cluster() -> Iterator[str]:
     import sys
 
     others = _ray_processes()  # another cluster on this machine, not ours to check
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "moestream.server.cli", "serve", "--ray", "--num-replicas", "2", "--replica-cpus",
            "0.5", "--port", str(port), "--served-model-name", NAME, "--dtype", "float32", "--max-model-len",
            str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--threads", "1"]
@@ -347,7 +342,7 @@ def test_serve_ray_flags_are_checked_before_ray_starts(flags: list[str], message
     from moestream.server.cli import main
 
     before = _ray_processes()
-    assert main(["serve", "--ray", "--port", str(_free_port()), *flags]) == 2
+    assert main(["serve", "--ray", "--port", str(free_port()), *flags]) == 2
     assert message in capsys.readouterr().err
     assert not _ray_processes() - before  # no cluster was started
 

@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -159,11 +159,6 @@ def test_bash_block_runs(block: tuple[str, int], tmp_path: Path) -> None:
         assert proc.stdout.strip(), f"{command} printed nothing"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
@@ -184,7 +179,7 @@ def test_server_client_block_runs(block: tuple[str, int], tmp_path: Path) -> Non
     pytest.importorskip("openai")
     body, line = block
     assert "127.0.0.1:8000" in body, f"README.md:{line}: a server block talks to 127.0.0.1:8000"
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen(shlex.split(f"moestream serve --port {port}"), cwd=tmp_path, stdout=log,
                               stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))

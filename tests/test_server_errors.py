@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from ports import free_port
 from conftest import API_KEY, SERVED_MODEL, SERVER_MAX_MODEL_LEN
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -293,17 +293,12 @@ def test_chat_without_template_and_paged_expert_metrics(small_server: LiveServer
     assert samples[("moestream:expert_bytes_read_total", (("tier", "disk"),))] == stats["bytes_read_per_tier"]["disk"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_sigterm_finishes_the_in_flight_request_then_exits_0(qwen3_moe_dir: str, offline_llm: LLM,
                                                              tmp_path: Path) -> None:
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moestream.server.cli", "serve", qwen3_moe_dir, "--port", str(port), "--dtype",
          "float32", "--max-model-len", str(SERVER_MAX_MODEL_LEN), "--served-model-name", "m", "--chat-template",
