@@ -15,7 +15,9 @@ A model argument that names one of them (and is not an existing directory) means
 
 from __future__ import annotations
 
+import hashlib
 import os
+import sysconfig
 from importlib import resources
 
 BUILTIN_MODELS = {"demo": "demo_model", "demo-hybrid": "demo_hybrid_model", "demo-looped": "demo_looped_model"}
@@ -54,3 +56,20 @@ def resolve_model(model: str | os.PathLike) -> str | os.PathLike:
     if isinstance(model, str) and model in BUILTIN_MODELS and not os.path.isdir(model):
         return builtin_model_path(model)
     return model
+
+
+def is_heldout(path: str, base: str) -> bool:
+    """The demos' train / held-out split: a standard-library file is held out when the SHA-256
+    of its path relative to `base` is 0 mod 20 (5% of the files)."""
+    return int(hashlib.sha256(os.path.relpath(path, base).encode()).hexdigest(), 16) % 20 == 0
+
+
+def heldout_files() -> list[str]:
+    """The standard library's held-out .py files (no site-packages), sorted: the text the
+    demos never saw in training, and `moestream eval-loss`'s default."""
+    base = sysconfig.get_paths()["stdlib"]
+    out = []
+    for root, dirs, files in os.walk(base):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
+        out += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
+    return [f for f in out if is_heldout(f, base)]

@@ -16,7 +16,6 @@ training_metrics.json) to moestream/demo_model/ and the loss curve to docs/demo_
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -26,6 +25,8 @@ import time
 
 import numpy as np
 import torch
+
+from moestream.demo import is_heldout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOT = "<|endoftext|>"
@@ -39,10 +40,6 @@ def stdlib_files() -> list[str]:
         dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
         out += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
     return out
-
-
-def is_heldout(path: str, base: str) -> bool:
-    return int(hashlib.sha256(os.path.relpath(path, base).encode()).hexdigest(), 16) % 20 == 0
 
 
 def read(path: str) -> str:

@@ -131,15 +131,20 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
             drafter = ScriptedProposer([(p, t) for p, (t, _) in zip(PROMPTS, resident)], lambda i, n: (i + n) % 4,
                                        cfg.vocab_size)
             llm.llm_engine.proposer = drafter
+        block = llm.llm_engine.config.block_size
         for sighting in range(2):  # the second sighting hits the prefix cache
             got = _generate(llm, PROMPTS)
+            if name != "preempted":  # (a preempted request's recompute may hit its own blocks too)
+                # the second sighting hits every full block of each prompt but the one holding its last token
+                want_hits = sighting * sum((len(p) - 1) // block * block for p in PROMPTS)
+                assert llm.llm_engine.prefix_cache_stats()["hits"] == want_hits == 64 * sighting, (name, sighting)
             for (ta, ra), (tb, rb) in zip(resident, got):
                 assert ta == tb, (name, sighting)
                 if name in ("chunked", "drafts", "preempted"):  # other positions per forward: float32 rounding
                     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ra.logits, rb.logits)), sighting
                 else:
                     assert all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits)), (name, sighting)
-        assert llm.llm_engine.prefix_cache_stats()["hits"] > 0
+        assert llm.llm_engine.prefix_cache_stats()["hits"] > 0  # preempted: 12 blocks, some hits evicted
         if name == "drafts":
             want = [drafter.expected(i, NEW_TOKENS, 3) for i in range(len(PROMPTS))]
             stats = llm.spec_decode_stats()
@@ -152,6 +157,21 @@ def test_paging_prefix_hits_chunked_prefill_and_speculation_are_bit_exact(loop_d
             assert llm.llm_engine.expert_store.num_slots == cfg.num_experts_per_tok
         if name == "preempted":
             assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_ngram_speculation_on_the_looped_demo_is_token_exact() -> None:
+    """The trained looped demo on code that repeats itself (a random model's output never
+    repeats a token, so the n-gram proposer would find nothing to draft): the same greedy
+    tokens with n-gram drafts as without, some drafts accepted."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM("demo-looped", dtype="float32", max_model_len=256).generate([prompt], params)[0].outputs[0].token_ids
+    llm = LLM("demo-looped", dtype="float32", max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    stats = llm.spec_decode_stats()
+    print(stats)
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("edit, field", [
