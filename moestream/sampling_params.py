@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moestream.config.engine import EXPERT_MODES
 from moestream.structured_output.params import StructuredOutputsParams
 from moestream.validation import is_int, is_number
 
@@ -36,7 +37,9 @@ class SamplingParams:
     does not read the prefix cache, so every position is computed); `logit_bias` maps token
     ids to a number added to their logits before sampling (after the raw logprobs, before the
     penalties, as vLLM v1); `structured_outputs` constrains the output to a JSON schema,
-    regex, choice or grammar (`StructuredOutputsParams`); `logits_processors` are vLLM v0 style callables
+    regex, choice or grammar (`StructuredOutputsParams`); `expert_mode` picks this request's
+    expert mode: None = the engine's `expert_mode`, "exact" opts out of an approximate one, and
+    an approximate one must be the engine's (docs/expert_modes.md); `logits_processors` are vLLM v0 style callables
     `(output_token_ids so far, logits [V] float32) -> logits [V]`.
 
     After construction `stop` is a list[str] and `stop_token_ids` a list[int].
@@ -64,6 +67,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
+    expert_mode: str | None = None
     logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
@@ -114,6 +118,8 @@ class SamplingParams:
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               "structured_outputs", "None or a StructuredOutputsParams")
         check(self.seed is None or is_int(self.seed), "seed", "None or an int")
+        check(self.expert_mode is None or self.expert_mode in EXPERT_MODES, "expert_mode",
+              f"None or one of {', '.join(EXPERT_MODES)}")
         check(all(isinstance(s, str) and s != "" for s in self.stop), "stop", "a list of non-empty strings")
 
     @property

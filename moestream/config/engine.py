@@ -87,7 +87,20 @@ def parse_threads(text: str) -> int | str:
 _DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _HYBRID = "hybrid models (Qwen3-Next, Qwen3.5-MoE)"
 _PAGING = "expert paging"
+EXPERT_MODES = ("exact", "resident-fold")  # opt-in approximate expert modes (docs/expert_modes.md)
 _MM = "multimodal models (Qwen3.5-MoE with a vision tower)"
+
+
+def check_request_expert_mode(requested: str | None, engine_mode: str) -> None:
+    """A request's `expert_mode` against the engine's: None (the engine's), "exact" or the
+    engine's own mode are served.
+
+    Raises:
+        ValueError: another approximate mode (the message says how to get it).
+    """
+    if requested not in (None, "exact", engine_mode):
+        raise ValueError(f"expert_mode '{requested}' needs an engine started with --expert-mode {requested} "
+                         f"(this one runs '{engine_mode}'); or ask for 'exact'")
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,15 @@ class EngineConfig:
                                                 "slots and KV blocks: expert slots become KV blocks when running "
                                                 "requests need them instead of a preemption, and come back when no "
                                                 "request waits (needs --expert-budget below 1)", group=_PAGING)
+    expert_mode: str = option("exact", "opt-in approximate expert mode, the default of every request (a request's "
+                                       "expert_mode 'exact' opts out): resident-fold = with paged experts, a token's "
+                                       "routed expert that is not resident and weighs less than "
+                                       "--resident-fold-threshold is dropped and its weight given to the token's "
+                                       "other experts, instead of a read (docs/expert_modes.md gives the measured "
+                                       "quality change)", group=_PAGING, choices=EXPERT_MODES)
+    resident_fold_threshold: float = option(0.25, "resident-fold: largest routing weight of a non-resident expert "
+                                                  "that is folded (a token's top-1 expert never is)",
+                                            group=_PAGING, parse=float)
     record_routing: str | None = option(None, "record (request, token, layer, expert ids) of every routed token "
                                               "to FILE (.npz)", group=_PAGING, metavar="FILE")
     max_resident_states: int | None = option(None, "requests whose linear-attention states stay on the device; "
@@ -243,6 +265,10 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend '{self.attention_backend}'; use auto, torch_sdpa or cpu_paged")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
+        if self.expert_mode not in EXPERT_MODES:
+            raise ValueError(f"unknown expert_mode '{self.expert_mode}'; use one of {', '.join(EXPERT_MODES)}")
+        if not (isinstance(self.resident_fold_threshold, (int, float)) and 0.0 < self.resident_fold_threshold <= 1.0):
+            raise ValueError(f"resident_fold_threshold must be in (0, 1], got {self.resident_fold_threshold!r}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"

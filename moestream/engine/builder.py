@@ -25,6 +25,7 @@ from moestream.engine.state_pool import StatePool
 from moestream.experts.planner import ExpertPlan, plan_experts
 from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
+from moestream.experts.resident_fold import ResidentFold
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
 from moestream.quantization.registry import make_quant_method
@@ -74,6 +75,7 @@ class EngineParts:
     input_processor: InputProcessor
     expert_plan: ExpertPlan
     expert_store: ResidentExpertStore | PagedExpertStore
+    expert_mode: ResidentFold | None
     elastic_memory: ElasticMemory | None
     recorder: RoutingRecorder | None
     state_pool: StatePool | None
@@ -184,6 +186,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     fused_moe = use_cpu_kernel(config.moe_runner_backend, "moe_runner_backend", "fused_cpu", device, dtype,
                                config.batch_invariant)
     model.set_fused_moe(fused_moe)
+    expert_mode = _make_expert_mode(config, store)
+    model.set_routing_modifier(expert_mode)
     if plan.resident and packed:
         load_packed_experts(packed[0], packed[1], mcfg.num_experts, device, store)
     elif plan.resident:
@@ -231,6 +235,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(coordinator, config.max_num_seqs, config.max_num_batched_tokens)
     runner = ModelRunner(model, num_blocks, bs, dtype, device, state_pool, recorder, mtp, vision,
                          elastic.kv_caches() if elastic is not None else None, layer_tensor)
+    runner.expert_mode = expert_mode
     eos = set(mcfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -242,7 +247,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     return EngineParts(
         model_config=mcfg, tokenizer=tokenizer, device=device, dtype=dtype, default_sampling_fields=defaults,
         max_model_len=max_model_len, mm_processor=mm_processor, input_processor=input_processor, expert_plan=plan,
-        expert_store=store, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
+        expert_store=store, expert_mode=expert_mode, elastic_memory=elastic, recorder=recorder, state_pool=state_pool,
         coordinator=coordinator, scheduler=scheduler, runner=runner,
         sampler=Sampler(config.seed, device, argmax_kernel=fused_moe or paged_attention),
         grammar_backend=make_grammar_backend(config, tokenizer, mcfg.vocab_size),
@@ -250,6 +255,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
         speculator=speculator, kv_cache_block_bytes=block_bytes, kv_cache_bytes_per_token=block_bytes // bs,
         kv_cache_mha_bytes_per_token=mha_per_token,
     )
+
+
+def _make_expert_mode(config: EngineConfig, store: ResidentExpertStore | PagedExpertStore) -> ResidentFold | None:
+    """The engine's approximate expert mode, or None (exact). resident-fold needs paged
+    experts: with every expert resident nothing is ever folded, so it is off (and logged)."""
+    if config.expert_mode == "exact":
+        return None
+    if not isinstance(store, PagedExpertStore):
+        logger.info("expert_mode resident-fold: every expert is resident, so nothing is folded; running exact")
+        return None
+    logger.info("expert_mode resident-fold: non-resident experts under routing weight %g are folded (approximate; "
+                "requests may opt out with expert_mode 'exact')", config.resident_fold_threshold)
+    return ResidentFold(store, config.resident_fold_threshold)
 
 
 def make_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int) -> GrammarBackend:

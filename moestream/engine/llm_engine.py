@@ -4,6 +4,7 @@ outputs. Its parts are made by `builder.build_engine`; speculative decoding's si
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -13,6 +14,7 @@ from dataclasses import fields
 import torch
 
 from moestream.config import EngineConfig
+from moestream.config.engine import check_request_expert_mode
 from moestream.engine.builder import EngineParts, auto_compute_dtype, build_engine
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import PromptType
@@ -23,6 +25,7 @@ from moestream.outputs import RequestOutput
 from moestream.sampler import SamplerOutput, first_rows, make_generator
 from moestream.sampling_params import SamplingParams
 from moestream.spec_decode.ngram import NgramProposer
+from moestream.spec_decode.speculator import DISABLED_STATS
 from moestream.spec_decode.verifier import accept_tokens
 
 logger = logging.getLogger(__name__)
@@ -134,6 +137,7 @@ class LLMEngine:
             if n is not None and n > self.config.max_logprobs:
                 raise ValueError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
                                  f"{self.config.max_logprobs}; ask for fewer or raise the engine's max_logprobs")
+        check_request_expert_mode(params.expert_mode, self.config.expert_mode)
         if params.structured_outputs is not None:  # compiled once per key: bad constraints refused before queuing
             self.grammar_backend.compile(params.structured_outputs)
         vocab = self.model_config.vocab_size
@@ -211,11 +215,12 @@ class LLMEngine:
             self.recorder.save(self.config.record_routing)
 
     def expert_stats(self) -> dict:
-        """Expert-cache metrics (ExpertStats.as_dict: hit_rate, hits, misses, stall_seconds, bytes_read,
-        per layer and tier); with elastic memory, `elastic_memory`: pages per owner, resizes."""
+        """Expert-cache metrics (ExpertStats.as_dict: hit_rate, hits, misses, stall_seconds, bytes_read, per layer
+        and tier); `elastic_memory` (pages per owner, resizes) and `expert_mode` (`ResidentFold.stats`) when on."""
         stats = self.expert_store.stats()
-        if self.elastic_memory is not None:
-            stats["elastic_memory"] = self.elastic_memory.stats()
+        for name, part in (("elastic_memory", self.elastic_memory), ("expert_mode", self.expert_mode)):
+            if part is not None:
+                stats[name] = part.stats()
         return stats
 
     def prefix_cache_stats(self) -> dict:
@@ -229,12 +234,10 @@ class LLMEngine:
         """KV cache figures: bytes_per_token (a block's token slot), block_size, num_blocks and
         free_blocks, `groups` (per KV cache group: kind, window, used_blocks), and for MLA
         `mha_bytes_per_token`, what expanded per-head keys and values would take."""
-        kv = self.coordinator.kv
-        stats = {"bytes_per_token": self.kv_cache_bytes_per_token, "block_size": self.config.block_size, "num_blocks":
-                 kv.num_blocks, "free_blocks": kv.num_free_blocks, "groups": self.coordinator.kv_group_stats()}
-        if self.kv_cache_mha_bytes_per_token is not None:
-            stats["mha_bytes_per_token"] = self.kv_cache_mha_bytes_per_token
-        return stats
+        kv, mla = self.coordinator.kv, self.kv_cache_mha_bytes_per_token
+        return {"bytes_per_token": self.kv_cache_bytes_per_token, "block_size": self.config.block_size, "num_blocks":
+                kv.num_blocks, "free_blocks": kv.num_free_blocks, "groups": self.coordinator.kv_group_stats(),
+                **({"mha_bytes_per_token": mla} if mla is not None else {})}
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding counters (vLLM's names): num_drafts (steps with drafts, per
@@ -243,7 +246,4 @@ class LLMEngine:
         draft tokens), mean_acceptance_length (tokens per drafted step: 1 + accepted / drafts),
         with adaptive k the fitted step cost (`step_cost_ratio`: the time one more verified
         token adds over a decode token's time), and `enabled`."""
-        if self.speculator is not None:
-            return self.speculator.stats_dict()
-        return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [],
-                "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "enabled": False}
+        return self.speculator.stats_dict() if self.speculator is not None else copy.deepcopy(DISABLED_STATS)

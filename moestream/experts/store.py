@@ -228,6 +228,16 @@ class PagedExpertStore:
                 out.append(self._views[slot])
         return out
 
+    def available_experts(self, layer: int) -> list[int]:
+        """Ids of `layer`'s experts that `ensure` would serve now without a disk read: in a
+        slot (not being loaded), or, when misses are computed in place, in the host cache.
+        Counts nothing and pins nothing (an approximate expert mode reads it)."""
+        with self._queue.lock:
+            ids = {e for (lay, e) in self._slot_of if lay == layer and (lay, e) not in self._loading}
+            if self.compute_in_place:
+                ids.update(e for (lay, e) in self._host.keys() if lay == layer)
+            return sorted(ids)
+
     def resident_view(self, layer: int) -> dict[int, ExpertWeights | PackedExpert]:
         """The experts of `layer` on the device now (not being loaded), by id: their slot
         views, valid until the next `ensure` or `resident_view`. Nothing is loaded and no

@@ -227,6 +227,10 @@ class HostCache:
             self._entries.move_to_end(key)
         return w
 
+    def keys(self) -> list[ExpertKey]:
+        """The cached experts' keys, least recently used first."""
+        return list(self._entries)
+
     def __contains__(self, key: object) -> bool:
         """Whether `key` is cached (no LRU update)."""
         return key in self._entries

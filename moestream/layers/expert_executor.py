@@ -59,8 +59,11 @@ FUSED_MAX_MEAN_ROWS = {torch.float32: 32, torch.bfloat16: 12}
 
 
 class ExpertExecutor(Protocol):
-    """forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] int64) -> [T, H] float32:
-    sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]).
+    """forward(x [T, H], topk_weights [T, k] float32, topk_ids [T, k] int64, keep [T, k] bool
+    or None) -> [T, H] float32: sum over k (where `keep`) of topk_weights[t, k] *
+    expert_{topk_ids[t, k]}(x[t]). `keep` comes from an approximate expert mode
+    (`SparseMoE.modifier`); the store's `on_route` still sees every pair (a dropped pair
+    carries its token's top-1 expert and weight 0).
 
     `row_tile` > 0: batch-invariant mode (see `linear`); `fused`: the fused CPU kernel
     (`moestream/kernels/fused_moe.py`) runs a layer whose active experts have at most
@@ -69,7 +72,8 @@ class ExpertExecutor(Protocol):
     row_tile: int
     fused: bool
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def expert_swiglu(x: torch.Tensor, w: ExpertWeights | PackedExpert, row_tile: int = 0,
@@ -103,13 +107,18 @@ class ExpertBias(nn.Module):
         return self.gate_up_proj_bias[expert], self.down_proj_bias[expert]
 
 
-def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, k) pairs by expert: topk_ids [T, k] int64 ->
     (order [T*k]: pair indices sorted by expert id, stable (a token's pairs keep their k
-    order); token_of [T*k]: the token row of each sorted pair; counts [E]: pairs per expert)."""
+    order); token_of [T*k]: the token row of each sorted pair; counts [E]: pairs per expert).
+    `keep` [T, k] bool (an approximate expert mode's choice): pairs where it is False sort
+    after every expert's and are left out of `counts`, so nothing computes them."""
     flat_ids = topk_ids.flatten()  # [T*k]
+    if keep is not None:
+        flat_ids = flat_ids.masked_fill(~keep.flatten(), num_experts)
     order = torch.argsort(flat_ids, stable=True)  # [T*k]
-    return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)
+    return order, order // topk_ids.shape[1], torch.bincount(flat_ids, minlength=num_experts)[:num_experts]
 
 
 def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]) -> bool:
@@ -179,10 +188,11 @@ class ResidentExpertExecutor:
             self._views = (gate_up.data_ptr(), [ExpertWeights(g, d) for g, d in zip(gate_up.unbind(0), down.unbind(0))])
         return self._views[1]
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
         if self.store.layout is not None:  # packed experts: dequantized one at a time, as the paged executor does
-            order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+            order, token_of, counts = sort_by_expert(topk_ids, self.num_experts, keep)
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
@@ -194,7 +204,7 @@ class ResidentExpertExecutor:
             # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
             aligned = all(d * down.element_size() % 16 == 0 for d in down.shape[1:])
             self.grouped = aligned and grouped_mm_matches_linear(x.dtype, x.device)
-        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts, keep)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         if self.fused and gate_up.dtype == x.dtype:
@@ -207,8 +217,9 @@ class ResidentExpertExecutor:
         # Fewer pairs than half the experts (decode of one or two sequences): torch's CPU
         # grouped matmul walks every group, empty ones too, so the loop over the few active
         # experts is faster there (both compute each expert alike).
+        # So does a dropped pair (`keep`): the grouped path would need its row count on the host.
         if (self.row_tile or topk_ids.numel() * 2 < self.num_experts
-                or not self.grouped):
+                or not self.grouped or keep is not None):
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             return _loop(x, token_of, pair_weight, counts_list, active,
@@ -271,9 +282,10 @@ class PagedExpertExecutor:
         self.act, self.bias = act, bias
         self.lookahead: tuple[int, torch.nn.Module] | None = None
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
-        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts)
+        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts, keep)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         counts_list = counts.tolist()
         active = [e for e, c in enumerate(counts_list) if c]

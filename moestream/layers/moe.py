@@ -10,6 +10,8 @@ Qwen3NextSparseMoeBlock); DeepSeek and GLM-4.5 add `shared_experts` ungated
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -26,6 +28,17 @@ from moestream.layers.expert_executor import (
 from moestream.layers.linear import Linear
 from moestream.layers.mlp import GatedMLP
 from moestream.layers.router import TopKRouter
+
+
+class RoutingModifier(Protocol):
+    """The routing-modification point of an approximate expert mode (docs/expert_modes.md):
+    modify(layer, num_experts, weights [T, k] float32, ids [T, k] int64) -> (weights, ids,
+    keep [T, k] bool or None), after the router's top-k and before the executor. `keep`
+    None: nothing was dropped (the tensors may be the router's own). A dropped pair has
+    keep False, weight 0 and its token's top-1 expert as id."""
+
+    def modify(self, layer: int, num_experts: int, weights: torch.Tensor, ids: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
 
 
 class SparseMoE(nn.Module):
@@ -64,6 +77,7 @@ class SparseMoE(nn.Module):
         self.layer_idx = layer_idx
         self.expert_bias = ExpertBias(num_experts, hidden_size, intermediate_size) if act.bias else None
         self.experts: ExpertExecutor = make_expert_executor(store, layer_idx, num_experts, act, self.expert_bias)
+        self.modifier: RoutingModifier | None = None  # an approximate expert mode, set per model; None: exact
 
     def set_lookahead(self, next_layer: int, router: TopKRouter) -> None:
         """Gate lookahead for a paged executor: the next MoE layer's index and router (kept in
@@ -87,4 +101,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]: route, then the executor computes the chosen experts."""
         weights, ids = self.route(x)  # [T, k] each
+        if self.modifier is not None:
+            weights, ids, keep = self.modifier.modify(self.layer_idx, self.num_experts, weights, ids)
+            if keep is not None:
+                return self._shared(x, self.experts.forward(x, weights, ids, keep).to(x.dtype))
         return self._shared(x, self.experts.forward(x, weights, ids).to(x.dtype))

@@ -24,7 +24,7 @@ from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Embedding, Linear
 from moestream.layers.mlp import GatedMLP
-from moestream.layers.moe import SparseMoE
+from moestream.layers.moe import RoutingModifier, SparseMoE
 from moestream.layers.norm import RMSNorm
 from moestream.layers.recurrent_state import RecurrentMixer, StateMetadata
 from moestream.layers.rotary import RotaryEmbedding
@@ -229,6 +229,12 @@ class MoEForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.experts.fused = fused and module.experts.act.name in ACT_CODES
+
+    def set_routing_modifier(self, modifier: RoutingModifier | None) -> None:
+        """An approximate expert mode's routing modifier for every routed-expert layer, or None (exact)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.modifier = modifier
 
     def set_row_tile(self, row_tile: int) -> None:
         """Batch-invariant mode (`row_tile` > 0, `linear`'s row tiles) or the default (0), for

@@ -3,8 +3,8 @@
 Requests are validated strictly (no string-to-number coercion) and ignore unknown fields,
 as vLLM does. Besides OpenAI's fields they take vLLM's extra sampling fields: `top_k`,
 `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`,
-`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`; and vLLM's
-`/tokenize` and `/detokenize` bodies.
+`include_stop_str_in_output`, `skip_special_tokens`, `prompt_logprobs`; moestream's
+`expert_mode` (docs/expert_modes.md); and vLLM's `/tokenize` and `/detokenize` bodies.
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ class SamplingRequest(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # moestream's: "exact" opts out of the server's approximate expert mode (docs/expert_modes.md)
+    expert_mode: str | None = None
 
     @field_validator("logit_bias")
     @classmethod

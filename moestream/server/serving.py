@@ -214,6 +214,7 @@ class OpenAIServing:
                 logit_bias=req.logit_bias_ids(),
                 structured_outputs=req.structured_outputs_params(),
                 skip_special_tokens=req.skip_special_tokens,
+                expert_mode=req.expert_mode,
             )
         except ValueError as e:
             raise bad_request(e, type(req).model_fields, "prompt") from None

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 _SPEC_LOG_INTERVAL = 10.0
 
 
+# `LLMEngine.spec_decode_stats` of an engine without speculative decoding
+DISABLED_STATS = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [],
+                  "acceptance_rate": 0.0, "mean_acceptance_length": 0.0, "enabled": False}
+
 class Speculator:
     """Drafts for the requests that go on, and the acceptance counters (vLLM's names).
 

@@ -1,0 +1,155 @@
+"""Approximate expert modes (docs/expert_modes.md): resident-fold's routing change on crafted
+cases (exact drops, weights, counts), and on the trained demo: off by default and a no-op with
+every expert resident (bit-exact), no more reads than exact mode at a 25% budget, exact
+requests of a mixed batch unchanged, and bad modes refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moestream import LLM, SamplingParams
+from moestream.experts.resident_fold import ResidentFold
+from parity import LogitsRecorder, greedy_params
+
+PROMPTS = ["def parse_args(argv):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n"]
+NEW_TOKENS = 24
+
+
+class FakeStore:
+    """`available_experts` of a paged store, fixed per layer."""
+
+    def __init__(self, available: dict[int, list[int]]) -> None:
+        self.available = available
+
+    def available_experts(self, layer: int) -> list[int]:
+        return self.available[layer]
+
+
+def test_resident_fold_drops_exactly_the_cheap_misses() -> None:
+    """8 experts, top-3; experts 0-3 resident. Row by row:
+    0: (5 .5, 6 .3, 0 .2): 6 folds (.3 < .4, not resident), 5 is top-1 -> kept;
+    1: (1 .6, 7 .25, 2 .15): 7 would fold, but row 3 (exact) needs 7 -> kept;
+    2: (4 .7, 5 .2, 6 .1): 6 folds; 5 is kept, row 0's top-1 needs it anyway;
+    3 (exact): (7 .5, 1 .3, 4 .2): untouched.
+    Folded weight .3 + .1, experts 6 avoided once (rows 0 and 2 share the read)."""
+    ids = torch.tensor([[5, 6, 0], [1, 7, 2], [4, 5, 6], [7, 1, 4]])
+    weights = torch.tensor([[.5, .3, .2], [.6, .25, .15], [.7, .2, .1], [.5, .3, .2]])
+    mode = ResidentFold(FakeStore({3: [0, 1, 2, 3]}), threshold=0.4)
+    assert mode.modify(3, 8, weights, ids) == (weights, ids, None)  # no rows named: the router's own tensors
+    mode.begin_step(torch.tensor([True, True, True, False]))
+    w, i, keep = mode.modify(3, 8, weights, ids)
+    assert keep.tolist() == [[True, False, True], [True, True, True], [True, True, False], [True, True, True]]
+    assert i.tolist() == [[5, 5, 0], [1, 7, 2], [4, 5, 4], [7, 1, 4]]  # a dropped pair carries its top-1 id
+    torch.testing.assert_close(w[0], torch.tensor([.5, 0., .2]) / .7, rtol=0, atol=1e-7)
+    torch.testing.assert_close(w[2], torch.tensor([.7, .2, 0.]) / .9, rtol=0, atol=1e-7)
+    assert torch.equal(w[1], weights[1]) and torch.equal(w[3], weights[3])  # rows without a drop: bit for bit
+    s = mode.stats()
+    assert (s["dropped_pairs"], s["misses_avoided"]) == (2, 1)
+    assert s["folded_weight"] == pytest.approx(0.4) and s["routed_weight"] == pytest.approx(3.0)
+    assert s["folded_fraction"] == pytest.approx(0.4 / 3.0)
+
+
+def test_resident_fold_never_drops_a_top1_or_a_heavy_expert() -> None:
+    """Nothing resident, threshold .3: only the pairs under it that are not their token's
+    top-1 go (float32 routers' top-k need not be sorted, so the top-1 is the largest weight)."""
+    ids = torch.tensor([[2, 3, 4], [6, 7, 1]])
+    weights = torch.tensor([[0.25, 0.5, 0.25], [0.45, 0.35, 0.2]])
+    mode = ResidentFold(FakeStore({0: []}), threshold=0.3)
+    mode.begin_step(torch.tensor([True, True]))
+    w, i, keep = mode.modify(0, 8, weights, ids)
+    assert keep.tolist() == [[False, True, False], [True, True, False]]
+    assert i.tolist() == [[3, 3, 3], [6, 7, 6]]
+    assert w[0].tolist() == [0.0, 1.0, 0.0]
+    torch.testing.assert_close(w[1], torch.tensor([0.45, 0.35, 0.0]) / 0.8, rtol=0, atol=1e-7)
+    assert mode.stats()["misses_avoided"] == 3  # experts 2, 4 and 1
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.5])
+def test_a_bad_threshold_is_refused(threshold: float) -> None:
+    with pytest.raises(ValueError, match="resident_fold_threshold must be in"):
+        LLM("demo", dtype="float32", expert_mode="resident-fold", resident_fold_threshold=threshold)
+
+
+def _run(llm: LLM, modes: list[str | None]) -> list[tuple[list[int], LogitsRecorder]]:
+    recs = [LogitsRecorder() for _ in PROMPTS]
+    params = [greedy_params(r, NEW_TOKENS) for r in recs]
+    for p, m in zip(params, modes):
+        p.expert_mode = m
+    outs = llm.generate(PROMPTS, params)
+    return [(list(o.outputs[0].token_ids), r) for o, r in zip(outs, recs)]
+
+
+@pytest.fixture(scope="module")
+def exact_paged() -> tuple[LLM, list[tuple[list[int], LogitsRecorder]]]:
+    llm = LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False)
+    return llm, _run(llm, [None] * len(PROMPTS))
+
+
+def test_resident_fold_with_every_expert_resident_is_exact() -> None:
+    exact = _run(LLM("demo", dtype="float32"), [None] * len(PROMPTS))
+    llm = LLM("demo", dtype="float32", expert_mode="resident-fold")
+    assert llm.llm_engine.expert_mode is None and "expert_mode" not in llm.expert_stats()
+    for (ta, ra), (tb, rb) in zip(exact, _run(llm, [None] * len(PROMPTS))):
+        assert ta == tb and all(torch.equal(a, b) for a, b in zip(ra.logits, rb.logits))
+
+
+def test_resident_fold_at_a_quarter_budget_reads_less(exact_paged) -> None:
+    exact_llm, exact = exact_paged
+    llm = LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False,
+              expert_mode="resident-fold", resident_fold_threshold=0.5)
+    folded = _run(llm, [None] * len(PROMPTS))
+    e, f = exact_llm.expert_stats(), llm.expert_stats()
+    mode = f["expert_mode"]
+    print(f"misses exact {e['misses']}, resident-fold {f['misses']}; {mode}")
+    assert mode["misses_avoided"] > 0 and 0.0 < mode["folded_fraction"] < 0.5
+    assert f["misses"] < e["misses"]
+    assert sum(ta == tb for (ta, _), (tb, _) in zip(exact, folded)) < len(PROMPTS) or mode["dropped_pairs"] > 0
+
+
+def test_exact_requests_of_a_mixed_batch_are_unchanged(exact_paged) -> None:
+    """Requests 0 and 2 opt out ("exact"); 1 and 3 take the engine's resident-fold."""
+    _, exact = exact_paged
+    llm = LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False,
+              expert_mode="resident-fold", resident_fold_threshold=0.5)
+    mixed = _run(llm, ["exact", None, "exact", None])
+    assert llm.expert_stats()["expert_mode"]["dropped_pairs"] > 0
+    for i in (0, 2):  # other rows per expert than the exact-only batch: float32 rounding at most
+        (ta, ra), (tb, rb) = exact[i], mixed[i]
+        assert ta == tb and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ra.logits, rb.logits))
+
+
+def test_a_mode_the_engine_does_not_run_is_refused() -> None:
+    with pytest.raises(ValueError, match="expert_mode must be None or one of exact, resident-fold"):
+        SamplingParams(expert_mode="fold")
+    llm = LLM("demo", dtype="float32")
+    with pytest.raises(ValueError, match="needs an engine started with --expert-mode resident-fold"):
+        llm.generate(["x"], SamplingParams(expert_mode="resident-fold", max_tokens=2))
+    assert llm.generate(["x"], SamplingParams(expert_mode="exact", max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_eval_loss_command_matches_prompt_logprobs(tmp_path) -> None:
+    """`moestream eval-loss`: its exact loss (teacher-forced through decode) equals the mean
+    negative prompt logprob of the same sequences (prefill), and its resident-fold run reads
+    less, with the counts in the JSON."""
+    import json
+
+    from moestream.demo import heldout_files
+    from moestream.server.cli import main
+
+    out = tmp_path / "loss.json"
+    assert main(["eval-loss", "demo", "--dtype", "float32", "--num-seqs", "2", "--seq-len", "32", "--expert-budget",
+                 "0.25", "--expert-mode", "resident-fold", "--resident-fold-threshold", "0.5", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r) == {"exact", "resident-fold"} and r["exact"]["tokens"] == r["resident-fold"]["tokens"] == 62
+    llm = LLM("demo", dtype="float32")
+    seqs = [llm.get_tokenizer().encode(open(f, encoding="utf-8", errors="replace").read())[:32]
+            for f in heldout_files()[:2]]
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll = [-o.prompt_logprobs[i][t].logprob for o, s in zip(outs, seqs) for i, t in enumerate(s) if i > 0]
+    assert r["exact"]["loss"] == pytest.approx(sum(nll) / len(nll), abs=1e-4)
+    folded = r["resident-fold"]["expert"]
+    assert folded["expert_mode"]["misses_avoided"] > 0 and folded["misses"] < r["exact"]["expert"]["misses"]
+    with pytest.raises(SystemExit, match="2"):  # argparse: invalid choice, with the choices listed
+        main(["eval-loss", "demo", "--expert-mode", "fold"])
