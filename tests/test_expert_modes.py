@@ -105,7 +105,10 @@ def test_resident_fold_at_a_quarter_budget_reads_less(exact_paged) -> None:
     print(f"misses exact {e['misses']}, resident-fold {f['misses']}; {mode}")
     assert mode["misses_avoided"] > 0 and 0.0 < mode["folded_fraction"] < 0.5
     assert f["misses"] < e["misses"]
-    assert sum(ta == tb for (ta, _), (tb, _) in zip(exact, folded)) < len(PROMPTS) or mode["dropped_pairs"] > 0
+    # every computed token of every request is in the mode: (prompt + outputs but the last) x 6 layers x top-2
+    tok = llm.get_tokenizer()
+    computed = sum(len(tok.encode(p)) for p in PROMPTS) + len(PROMPTS) * (NEW_TOKENS - 1)
+    assert mode["routed_pairs"] == computed * 6 * 2 and all(len(t) == NEW_TOKENS for t, _ in folded)
 
 
 def test_exact_requests_of_a_mixed_batch_are_unchanged(exact_paged) -> None:
@@ -153,3 +156,37 @@ def test_eval_loss_command_matches_prompt_logprobs(tmp_path) -> None:
     assert folded["expert_mode"]["misses_avoided"] > 0 and folded["misses"] < r["exact"]["expert"]["misses"]
     with pytest.raises(SystemExit, match="2"):  # argparse: invalid choice, with the choices listed
         main(["eval-loss", "demo", "--expert-mode", "fold"])
+
+
+def test_server_expert_mode_field_and_metrics() -> None:
+    """A resident-fold server: a request body's `expert_mode` "exact" opts out, a mode the
+    server does not run is a 400 naming it (the server keeps serving), and /metrics counts
+    the folding."""
+    import httpx
+
+    from live_server import LiveServer
+    from moestream.config import EngineConfig
+    from moestream.demo import demo_model_path
+    from moestream.server.serving import ServerConfig
+
+    server = LiveServer(EngineConfig(model=demo_model_path(), dtype="float32", max_model_len=256, expert_budget=0.25,
+                                     expert_mode="resident-fold", resident_fold_threshold=0.5),
+                        ServerConfig(served_model_names=("demo",)))
+    try:
+        url = server.base_url + "/v1/completions"
+        body = {"model": "demo", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        bad = httpx.post(url, json={**body, "expert_mode": "fold"}, timeout=60)
+        assert bad.status_code == 400 and "expert_mode" in bad.json()["error"]["message"]
+        exact = httpx.post(url, json={**body, "expert_mode": "exact"}, timeout=60)
+        assert exact.status_code == 200
+        before = server.engine.expert_stats()["expert_mode"]["dropped_pairs"]
+        assert before == 0  # the exact request folded nothing
+        folded = httpx.post(url, json=body, timeout=60)
+        assert folded.status_code == 200
+        server.wait_idle()
+        dropped = server.engine.expert_stats()["expert_mode"]["dropped_pairs"]
+        text = httpx.get(server.base_url + "/metrics", timeout=60).text
+        line = next(ln for ln in text.splitlines() if ln.startswith("moestream:expert_mode_dropped_pairs_total"))
+        assert dropped > 0 and float(line.split()[-1]) == dropped
+    finally:
+        server.stop()

@@ -23,6 +23,7 @@ and misses avoided (distinct dropped experts per layer call: each would have bee
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moestream.experts.store import PagedExpertStore
@@ -58,33 +59,37 @@ class ResidentFold:
 
     def modify(self, layer: int, num_experts: int, weights: torch.Tensor, ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """weights [T, k] float32, ids [T, k] int64 -> (weights, ids, keep [T, k] bool or None)."""
-        rows = self.rows
-        if rows is None:
+        """weights [T, k] float32, ids [T, k] int64 -> (weights, ids, keep [T, k] bool or None).
+
+        Decided on the host in numpy (a decode step's [T, k] is a few dozen pairs, where
+        torch's per-op cost would exceed a small expert's read); the paged executor reads its
+        counts on the host anyway."""
+        if self.rows is None:
             return weights, ids, None
-        dev = ids.device
-        available = torch.zeros(num_experts, dtype=torch.bool, device=dev)
-        have = self.store.available_experts(layer)
-        if have:
-            available[torch.tensor(have, dtype=torch.int64, device=dev)] = True
-        top1 = weights.argmax(dim=1, keepdim=True)  # [T, 1]
-        not_top1 = torch.arange(ids.shape[1], device=dev)[None, :] != top1  # [T, k]
-        cand = rows[:, None] & ~available[ids] & (weights < self.threshold) & not_top1
-        loaded = torch.zeros(num_experts + 1, dtype=torch.bool, device=dev)
-        loaded[ids.masked_fill(cand, num_experts).flatten()] = True  # experts read anyway
-        drop = cand & ~loaded[ids]  # [T, k]
-        self.routed_weight += float(weights[rows].sum())
-        self.routed_pairs += int(rows.sum()) * ids.shape[1]
-        if not bool(drop.any()):
+        rows = self.rows.cpu().numpy()  # [T] bool
+        w, e = weights.detach().cpu().numpy(), ids.cpu().numpy()  # [T, k]
+        available = np.zeros(num_experts + 1, dtype=bool)
+        available[self.store.available_experts(layer)] = True
+        top1 = w.argmax(axis=1)  # [T]
+        not_top1 = np.arange(e.shape[1])[None, :] != top1[:, None]  # [T, k]
+        cand = rows[:, None] & ~available[e] & (w < self.threshold) & not_top1
+        loaded = np.zeros(num_experts + 1, dtype=bool)
+        loaded[np.where(cand, num_experts, e)] = True  # experts read anyway
+        drop = cand & ~loaded[e]  # [T, k]
+        self.routed_weight += float(w[rows].sum(dtype=np.float64))
+        self.routed_pairs += int(rows.sum()) * e.shape[1]
+        if not drop.any():
             return weights, ids, None
-        kept = weights.masked_fill(drop, 0.0)
-        scale = weights.sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True)  # [T, 1]
-        new_weights = torch.where(drop.any(dim=1, keepdim=True), kept * scale, weights)
-        new_ids = torch.where(drop, ids.gather(1, top1).expand_as(ids), ids)
-        self.folded_weight += float(weights[drop].sum())
+        kept = np.where(drop, np.float32(0.0), w)
+        scale = w.sum(axis=1, keepdims=True) / kept.sum(axis=1, keepdims=True)  # [T, 1]
+        new_w = np.where(drop.any(axis=1, keepdims=True), kept * scale, w)  # rows without a drop: the router's
+        new_e = np.where(drop, e[np.arange(len(e)), top1][:, None], e)
+        self.folded_weight += float(w[drop].sum(dtype=np.float64))
         self.dropped_pairs += int(drop.sum())
-        self.misses_avoided += int(torch.unique(ids[drop]).numel())
-        return new_weights, new_ids, ~drop
+        self.misses_avoided += len(np.unique(e[drop]))
+        dev = ids.device
+        return (torch.from_numpy(new_w).to(dev), torch.from_numpy(new_e).to(dev),
+                torch.from_numpy(~drop).to(dev))
 
     def stats(self) -> dict:
         """{"mode", "threshold", "routed_weight", "folded_weight", "folded_fraction" (of the

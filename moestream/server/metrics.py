@@ -5,7 +5,8 @@ Counted on the event loop as outputs are routed: requests finished (by reason), 
 and generation tokens, HTTP responses (by path and status); histograms of TTFT, TPOT,
 ITL and end-to-end latency (seconds). Read at scrape time from the engine thread's
 latest `EngineSnapshot`: running / waiting requests, KV blocks in use, prefix-cache queries
-and hits (tokens), and the expert store's hit rate, stall seconds and bytes read per tier.
+and hits (tokens), the expert store's hit rate, stall seconds and bytes read per tier, and
+an approximate expert mode's folded weight, dropped pairs and misses avoided.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ class _EngineCollector(Collector):
         for tier in ("disk", "host"):
             tiers.add_metric([tier], float(per_tier.get(tier, 0)))
         yield tiers
+        mode = x.get("expert_mode")
+        if mode is not None:  # an approximate expert mode (docs/expert_modes.md)
+            yield CounterMetricFamily("moestream:expert_mode_folded_weight",
+                                      "Routing weight of non-resident experts folded onto a token's other experts.",
+                                      float(mode["folded_weight"]))
+            yield CounterMetricFamily("moestream:expert_mode_routed_weight",
+                                      "Routing weight of the tokens in the approximate expert mode.",
+                                      float(mode["routed_weight"]))
+            yield CounterMetricFamily("moestream:expert_mode_dropped_pairs",
+                                      "(token, expert) pairs the approximate expert mode did not compute.",
+                                      float(mode["dropped_pairs"]))
+            yield CounterMetricFamily("moestream:expert_mode_misses_avoided",
+                                      "Expert reads the approximate expert mode avoided.", float(mode["misses_avoided"]))
         pc = s.prefix_cache_stats
         if pc.get("enabled"):
             yield CounterMetricFamily("moestream:prefix_cache_queries",
