@@ -190,3 +190,41 @@ def test_server_expert_mode_field_and_metrics() -> None:
         assert dropped > 0 and float(line.split()[-1]) == dropped
     finally:
         server.stop()
+
+
+def test_an_exact_request_never_reuses_folded_kv() -> None:
+    """Regression: with prefix caching on, an exact request that followed a resident-fold
+    request with the same prompt reused the KV blocks computed with folded experts, and its
+    output was no longer exact. Blocks are now salted with the mode (vLLM's cache_salt): the
+    exact requests hit none of the folded blocks and get the exact-only run's tokens, and a
+    second round of folding requests hits the folded ones."""
+    prompts = [p * 4 for p in PROMPTS]  # 2+ full KV blocks each
+
+    def run(llm: LLM, mode: str | None) -> list[tuple[list[int], LogitsRecorder]]:
+        recs = [LogitsRecorder() for _ in prompts]
+        params = [greedy_params(r, NEW_TOKENS) for r in recs]
+        for p in params:
+            p.expert_mode = mode
+        return [(list(o.outputs[0].token_ids), r) for o, r in zip(llm.generate(prompts, params), recs)]
+
+    exact = run(LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False), None)
+    llm = LLM("demo", dtype="float32", expert_budget=0.25, expert_mode="resident-fold", resident_fold_threshold=1.0)
+    run(llm, None)  # folded prefills fill the prefix cache
+    assert llm.llm_engine.prefix_cache_stats()["hits"] == 0
+    again = run(llm, "exact")
+    assert llm.llm_engine.prefix_cache_stats()["hits"] == 0  # nothing folded served the exact requests
+    for (ta, ra), (tb, rb) in zip(exact, again):
+        assert ta == tb and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ra.logits, rb.logits))
+    run(llm, None)
+    assert llm.llm_engine.prefix_cache_stats()["hits"] > 0  # folded requests share their own blocks
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "40", "--max-model-len", "16"], "--seq-len 40 needs --max-model-len of at least 40"),
+    (["--json", "/nonexistent_dir/x.json"], "its directory does not exist"),
+])
+def test_eval_loss_refuses_bad_flags_before_loading(flags: list[str], message: str, capsys) -> None:
+    from moestream.server.cli import main
+
+    assert main(["eval-loss", "demo", "--num-seqs", "1", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -6,7 +6,7 @@ to a component (eviction policies, ...) live with that component.
 """
 
 from moestream.config.dtype import resolve_dtype
-from moestream.config.engine import EngineConfig
+from moestream.config.engine import EngineConfig, check_request_expert_mode
 from moestream.config.model import (
     EXPERT_ACTIVATIONS,
     SUPPORTED_ROPE_TYPES,
@@ -22,4 +22,5 @@ from moestream.config.model import (
 from moestream.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 __all__ = ["EngineConfig", "ExpertActivation", "EXPERT_ACTIVATIONS", "LoopConfig", "Mamba2Config", "ModelConfig", "MLAConfig", "MultiModalConfig", "RopeConfig", "RouterConfig",
-           "SpeculativeConfig", "MAX_SPECULATIVE_TOKENS", "SUPPORTED_ROPE_TYPES", "resolve_dtype"]
+           "SpeculativeConfig", "MAX_SPECULATIVE_TOKENS", "SUPPORTED_ROPE_TYPES", "check_request_expert_mode",
+           "resolve_dtype"]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from moestream.config.speculative import SpeculativeConfig
 from moestream.demo import resolve_model
-from moestream.validation import is_int
+from moestream.validation import is_int, is_number
 
 
 def option(default: Any, help: str, *, group: str = "engine", parse: Callable[[str], Any] | None = None,
@@ -267,7 +267,7 @@ class EngineConfig:
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
         if self.expert_mode not in EXPERT_MODES:
             raise ValueError(f"unknown expert_mode '{self.expert_mode}'; use one of {', '.join(EXPERT_MODES)}")
-        if not (isinstance(self.resident_fold_threshold, (int, float)) and 0.0 < self.resident_fold_threshold <= 1.0):
+        if not (is_number(self.resident_fold_threshold) and 0.0 < self.resident_fold_threshold <= 1.0):
             raise ValueError(f"resident_fold_threshold must be in (0, 1], got {self.resident_fold_threshold!r}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(

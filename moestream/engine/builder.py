@@ -263,7 +263,8 @@ def _make_expert_mode(config: EngineConfig, store: ResidentExpertStore | PagedEx
     if config.expert_mode == "exact":
         return None
     if not isinstance(store, PagedExpertStore):
-        logger.info("expert_mode resident-fold: every expert is resident, so nothing is folded; running exact")
+        logger.warning("expert_mode resident-fold: every expert is resident (no expert_budget below 1), so nothing "
+                       "is folded; running exact")
         return None
     logger.info("expert_mode resident-fold: non-resident experts under routing weight %g are folded (approximate; "
                 "requests may opt out with expert_mode 'exact')", config.resident_fold_threshold)

@@ -13,14 +13,14 @@ from dataclasses import fields
 
 import torch
 
-from moestream.config import EngineConfig
-from moestream.config.engine import check_request_expert_mode
+from moestream.config import EngineConfig, check_request_expert_mode
 from moestream.engine.builder import EngineParts, auto_compute_dtype, build_engine
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.engine.input_processor import PromptType
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import ProcessedPrompt, Request, RequestStatus
 from moestream.engine.scheduler import SchedulerOutput
+from moestream.experts.resident_fold import cache_salt
 from moestream.outputs import RequestOutput
 from moestream.sampler import SamplerOutput, first_rows, make_generator
 from moestream.sampling_params import SamplingParams
@@ -47,8 +47,7 @@ class LLMEngine:
         parts = build_engine(config)
         for f in fields(EngineParts):
             setattr(self, f.name, getattr(parts, f.name))
-        self.config = config
-        self.speculative_config = config.speculative_config
+        self.config, self.speculative_config = config, config.speculative_config
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -90,7 +89,8 @@ class LLMEngine:
             raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
         req = Request(request_id, p.prompt, p.prompt_token_ids, params, generator=make_generator(params.seed, self.device),
                       mm_inputs=p.mm_inputs, grammar=self.grammar_backend.matcher(params.structured_outputs,
-                                                                                  p.prompt_token_ids))
+                                                                                  p.prompt_token_ids),
+                      cache_salt=cache_salt(params.expert_mode, self.expert_mode))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = req
         self.scheduler.add_request(req)

@@ -57,6 +57,7 @@ class Request:
             estimate, draft length, shadow draft).
         mm_inputs: a multimodal prompt's `MultiModalInputs` (images, M-RoPE positions, rope
             delta), None for text.
+        cache_salt: mixed into its first KV block's hash (`mm_hash_spans`); b"" for none.
         mm_embeds: vision embeddings of its items (item index -> [length, H]) computed and
             not yet consumed by its prefill (the encoder cache; dropped once the item's
             tokens are computed, computed again after a preemption).
@@ -88,6 +89,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None  # set by the engine
     mm_inputs: MultiModalInputs | None = None  # a prompt with images
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
+    cache_salt: bytes = b""  # vLLM's cache_salt: requests with different salts share no prefix blocks
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -97,8 +99,11 @@ class Request:
 
     @property
     def mm_hash_spans(self) -> tuple[tuple[int, int, bytes], ...]:
-        """(first token, end token, content hash) of each image: extra keys of the block hashes."""
-        return self.mm_inputs.hash_spans if self.mm_inputs is not None else ()
+        """(first token, end token, hash): extra keys of the block hashes, each image's content
+        hash over its tokens and the `cache_salt` over the first token (so that blocks computed
+        in an approximate expert mode never serve an exact request, nor the other way)."""
+        spans = self.mm_inputs.hash_spans if self.mm_inputs is not None else ()
+        return ((0, 1, self.cache_salt), *spans) if self.cache_salt else spans
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -101,3 +101,13 @@ class ResidentFold:
                 "routed_pairs": self.routed_pairs, "dropped_pairs": self.dropped_pairs,
                 "active_fraction": 1.0 - self.dropped_pairs / self.routed_pairs if self.routed_pairs else 1.0,
                 "misses_avoided": self.misses_avoided}
+
+
+def cache_salt(requested: str | None, mode: ResidentFold | None) -> bytes:
+    """The prefix-cache salt of a request asking for `requested` (None: the engine's mode) on
+    an engine running `mode` (None: exact): b"" when the request runs exact, else the mode
+    and its threshold, so that KV computed with folded experts is only reused by requests
+    folding the same way."""
+    if mode is None or (requested or mode.name) == "exact":
+        return b""
+    return f"expert_mode={mode.name};threshold={mode.threshold!r}".encode()

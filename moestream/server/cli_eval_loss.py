@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -95,11 +96,16 @@ def run_eval_loss(args: argparse.Namespace) -> int:
 
     if args.num_seqs < 1 or args.seq_len < 2:
         raise ValueError("--num-seqs must be at least 1 and --seq-len at least 2")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json {args.json}: its directory does not exist")
     kw = engine_kwargs(args)
     if args.model_dir is not None:
         kw["model"] = args.model_dir
     mode = kw.pop("expert_mode", "exact")
-    kw.setdefault("max_model_len", args.seq_len + 8)
+    kw.setdefault("max_model_len", args.seq_len)  # a sequence is its first token and seq_len - 1 forced ones
+    if kw["max_model_len"] < args.seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} needs --max-model-len of at least {args.seq_len} "
+                         f"(got {kw['max_model_len']}); lower --seq-len or raise --max-model-len")
     results: dict[str, dict] = {}
     sequences: list[list[int]] | None = None
     for name in ["exact"] + ([mode] if mode != "exact" else []):
@@ -129,6 +135,8 @@ def _print(results: dict[str, dict]) -> None:
         print(f"{name:<14} {r['tokens']:>7} {r['loss']:>8.4f} {r['loss'] - base:>+9.4f} {math.exp(r['loss']):>8.2f} "
               f"{e.get('misses', 0) / r['tokens']:>10.2f} {e.get('stall_seconds', 0.0):>8.2f} "
               f"{r['tokens'] / r['seconds']:>7.1f}")
+        if name != "exact" and "expert_mode" not in r["expert"]:
+            print(f"  {name}: every expert is resident (no --expert-budget below 1), so it never acted")
         if "expert_mode" in r["expert"]:
             m = r["expert"]["expert_mode"]
             print(f"  {name}: {m['folded_fraction']:.1%} of the routed weight folded, {m['misses_avoided']} misses "

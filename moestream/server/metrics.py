@@ -74,6 +74,9 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily("moestream:expert_mode_routed_weight",
                                       "Routing weight of the tokens in the approximate expert mode.",
                                       float(mode["routed_weight"]))
+            yield CounterMetricFamily("moestream:expert_mode_routed_pairs",
+                                      "(token, expert) pairs routed for the tokens in the approximate expert mode.",
+                                      float(mode["routed_pairs"]))
             yield CounterMetricFamily("moestream:expert_mode_dropped_pairs",
                                       "(token, expert) pairs the approximate expert mode did not compute.",
                                       float(mode["dropped_pairs"]))
