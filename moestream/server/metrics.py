@@ -24,6 +24,15 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
+# `ResidentFold.stats` keys exported as counters moestream:expert_mode_KEY
+_EXPERT_MODE_COUNTERS = (
+    ("routed_weight", "Routing weight of the tokens in the approximate expert mode."),
+    ("folded_weight", "Routing weight of non-resident experts folded onto a token's other experts."),
+    ("routed_pairs", "(token, expert) pairs routed for the tokens in the approximate expert mode."),
+    ("dropped_pairs", "(token, expert) pairs the approximate expert mode did not compute."),
+    ("misses_avoided", "Expert reads the approximate expert mode avoided."),
+)
+
 
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's latest snapshot at scrape time."""
@@ -68,20 +77,8 @@ class _EngineCollector(Collector):
         yield tiers
         mode = x.get("expert_mode")
         if mode is not None:  # an approximate expert mode (docs/expert_modes.md)
-            yield CounterMetricFamily("moestream:expert_mode_folded_weight",
-                                      "Routing weight of non-resident experts folded onto a token's other experts.",
-                                      float(mode["folded_weight"]))
-            yield CounterMetricFamily("moestream:expert_mode_routed_weight",
-                                      "Routing weight of the tokens in the approximate expert mode.",
-                                      float(mode["routed_weight"]))
-            yield CounterMetricFamily("moestream:expert_mode_routed_pairs",
-                                      "(token, expert) pairs routed for the tokens in the approximate expert mode.",
-                                      float(mode["routed_pairs"]))
-            yield CounterMetricFamily("moestream:expert_mode_dropped_pairs",
-                                      "(token, expert) pairs the approximate expert mode did not compute.",
-                                      float(mode["dropped_pairs"]))
-            yield CounterMetricFamily("moestream:expert_mode_misses_avoided",
-                                      "Expert reads the approximate expert mode avoided.", float(mode["misses_avoided"]))
+            for key, text in _EXPERT_MODE_COUNTERS:
+                yield CounterMetricFamily(f"moestream:expert_mode_{key}", text, float(mode[key]))
         pc = s.prefix_cache_stats
         if pc.get("enabled"):
             yield CounterMetricFamily("moestream:prefix_cache_queries",
