@@ -64,12 +64,25 @@ def is_heldout(path: str, base: str) -> bool:
     return int(hashlib.sha256(os.path.relpath(path, base).encode()).hexdigest(), 16) % 20 == 0
 
 
-def heldout_files() -> list[str]:
-    """The standard library's held-out .py files (no site-packages), sorted: the text the
-    demos never saw in training, and `moestream eval-loss`'s default."""
+def _stdlib_files() -> tuple[str, list[str]]:
+    """(the standard library's directory, its .py files outside site-packages, sorted)."""
     base = sysconfig.get_paths()["stdlib"]
     out = []
     for root, dirs, files in os.walk(base):
         dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
         out += [os.path.join(root, f) for f in sorted(files) if f.endswith(".py")]
-    return [f for f in out if is_heldout(f, base)]
+    return base, out
+
+
+def heldout_files() -> list[str]:
+    """The standard library's held-out .py files (no site-packages), sorted: the text the
+    demos never saw in training, and `moestream eval-loss`'s default."""
+    base, files = _stdlib_files()
+    return [f for f in files if is_heldout(f, base)]
+
+
+def training_files() -> list[str]:
+    """The rest of the standard library's .py files, sorted: the demos' training split, and
+    `moestream calibrate`'s default text (so that calibration never sees held-out text)."""
+    base, files = _stdlib_files()
+    return [f for f in files if not is_heldout(f, base)]

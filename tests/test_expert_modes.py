@@ -1,15 +1,24 @@
-"""Approximate expert modes (docs/expert_modes.md): resident-fold's routing change on crafted
-cases (exact drops, weights, counts), and on the trained demo: off by default and a no-op with
-every expert resident (bit-exact), no more reads than exact mode at a 25% budget, exact
-requests of a mixed batch unchanged, and bad modes refused with a message."""
+"""Approximate expert modes (docs/expert_modes.md): resident-fold's, EAT's and ExFold's routing
+changes on crafted cases (exact drops, folds, accounts, thresholds, counts), ExFold's projector
+math on a crafted layer (folding onto exact scalar multiples reproduces the MoE output) and its
+deterministic calibration; and on the trained demo: off by default and a no-op with every
+expert resident (bit-exact), no more reads than exact mode at a 25% budget, exact requests of a
+mixed batch unchanged in every mode, and bad modes refused with a message."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from moestream import LLM, SamplingParams
+from moestream.experts.eat import ExpertAccountTracker
+from moestream.experts.exfold import ExFold
+from moestream.experts.expert_mode import apply_folds
+from moestream.experts.fold_projectors import FoldProjectors, ProjectorStats
+from moestream.experts.resident import ResidentExpertStore
 from moestream.experts.resident_fold import ResidentFold
+from moestream.layers.expert_executor import make_expert_executor
 from parity import LogitsRecorder, greedy_params
 
 PROMPTS = ["def parse_args(argv):\n", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n",
@@ -111,13 +120,45 @@ def test_resident_fold_at_a_quarter_budget_reads_less(exact_paged) -> None:
     assert mode["routed_pairs"] == computed * 6 * 2 and all(len(t) == NEW_TOKENS for t, _ in folded)
 
 
-def test_exact_requests_of_a_mixed_batch_are_unchanged(exact_paged) -> None:
-    """Requests 0 and 2 opt out ("exact"); 1 and 3 take the engine's resident-fold."""
+@pytest.fixture(scope="module")
+def demo_projectors(tmp_path_factory) -> str:
+    """The demo's projectors, calibrated twice with the same text and seed (asserted equal)."""
+    from safetensors.torch import load_file
+
+    from moestream.server.cli import main
+
+    d = tmp_path_factory.mktemp("projectors")
+    paths = [str(d / f"p{i}.safetensors") for i in range(2)]
+    for path in paths:
+        assert main(["calibrate", "demo", "--dtype", "float32", "--num-seqs", "4", "--seq-len", "64",
+                     "--seed", "3", "--output", path]) == 0
+    a, b = load_file(paths[0]), load_file(paths[1])
+    assert sorted(a) == [f"layers.{i}.{n}" for i in range(6) for n in ("alpha", "explained")]
+    assert all(torch.equal(a[n], b[n]) for n in a)  # deterministic for a text and seed
+    return paths[0]
+
+
+@pytest.mark.parametrize("mode", ["resident-fold", "eat", "exfold"])
+def test_exact_requests_of_a_mixed_batch_are_unchanged(exact_paged, demo_projectors, mode: str) -> None:
+    """Requests 0 and 2 opt out ("exact"); 1 and 3 take the engine's mode."""
     _, exact = exact_paged
-    llm = LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False,
-              expert_mode="resident-fold", resident_fold_threshold=0.5)
+    llm = LLM("demo", dtype="float32", expert_budget=0.25, enable_prefix_caching=False, expert_mode=mode,
+              resident_fold_threshold=0.5, exfold_projectors=demo_projectors, eat_threshold=1.0)
     mixed = _run(llm, ["exact", None, "exact", None])
-    assert llm.expert_stats()["expert_mode"]["dropped_pairs"] > 0
+    stats = llm.expert_stats()["expert_mode"]
+    assert stats["mode"] == mode and stats["dropped_pairs"] > 0
+    tok = llm.get_tokenizer()
+    computed = sum(len(tok.encode(PROMPTS[i])) for i in (1, 3)) + 2 * (NEW_TOKENS - 1)
+    assert stats["routed_pairs"] == computed * 6 * 2  # the mode saw its two requests' tokens only
+    if mode == "eat":  # experts per token by layer, in the stats and on /metrics
+        from moestream.server.async_engine import take_snapshot
+        from moestream.server.metrics import _EngineCollector
+
+        assert all(1.0 <= a < 2.0 for a in stats["activated_per_token"].values())
+        family = next(m for m in _EngineCollector(lambda: take_snapshot(llm.llm_engine), lambda: 0).collect()
+                      if m.name == "moestream:expert_mode_activated_experts")
+        assert {s.labels["layer"]: s.value for s in family.samples} == {
+            str(layer): v for layer, v in llm.expert_stats()["expert_mode"]["activated_per_token"].items()}
     for i in (0, 2):  # other rows per expert than the exact-only batch: float32 rounding at most
         (ta, ra), (tb, rb) = exact[i], mixed[i]
         assert ta == tb and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ra.logits, rb.logits))
@@ -228,3 +269,112 @@ def test_eval_loss_refuses_bad_flags_before_loading(flags: list[str], message: s
 
     assert main(["eval-loss", "demo", "--num-seqs", "1", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_folds_merge_onto_kept_pairs_and_replace_the_rest() -> None:
+    """apply_folds: row 0 folds pair 2 (expert 5) onto its own expert 1 (merged: .3 + 2 x .1);
+    row 1 folds expert 6 onto expert 2, which it does not have (the pair becomes expert 2
+    with alpha x w), and drops expert 7 (alpha 0; its id becomes an expert the row keeps);
+    row 2 folds nothing and keeps the router's weights bit for bit."""
+    w = np.array([[.6, .3, .1], [.5, .3, .2], [.4, .35, .25]], dtype=np.float32)
+    e = np.array([[0, 1, 5], [3, 6, 7], [0, 1, 2]])
+    fold = np.array([[False, False, True], [False, True, True], [False, False, False]])
+    target = np.array([[0, 0, 1], [0, 2, 0], [0, 0, 0]])
+    alpha = np.array([[0, 0, 2.0], [0, -0.5, 0], [0, 0, 0]], dtype=np.float32)
+    new_w, new_e, keep = apply_folds(w, e, fold, target, alpha)
+    assert keep.tolist() == [[True, True, False], [True, True, False], [True, True, True]]
+    assert new_e.tolist() == [[0, 1, 0], [3, 2, 3], [0, 1, 2]]
+    np.testing.assert_allclose(new_w[:2], [[.6, .5, 0], [.5, -.15, 0]], rtol=0, atol=1e-7)
+    assert np.array_equal(new_w[2], w[2])
+    with pytest.raises(ValueError, match="dropped every expert of a token"):
+        apply_folds(w[:1], e[:1], np.ones((1, 3), dtype=bool), target[:1], np.zeros((1, 3), dtype=np.float32))
+
+
+def test_eat_accounts_thresholds_and_activated_counts_on_a_fixed_history() -> None:
+    """E = 4, top-2, decay .5, threshold 1. Hand-computed:
+    layer 0, call 1: shares (.65, .2, .15, 0) -> accounts .5 x .25 + .5 x share =
+      (.45, .225, .2, .125); m = mean top-1 = .65; scores of the second pairs .4 x 4 x .225
+      = .36 and .3 x 4 x .2 = .24, both under .65: dropped (1 expert per token).
+    layer 0, call 2: shares (.5, 0, 0, .5) -> (.475, .1125, .1, .3125); m = .575; the second
+      pair (expert 0) scores .5 x 4 x .475 = .95: kept (2 experts).
+    layer 1, call 1: (.125, .575, .125, .175); m = .9; .1 x 4 x .175 = .07: dropped.
+    Row 2 of call 1 is exact: untouched and not counted."""
+    mode = ExpertAccountTracker(threshold=1.0, decay=0.5)
+    mode.begin_step(torch.tensor([True, True, False]))
+    w, i, keep = mode.modify(0, 4, torch.tensor([[.6, .4], [.7, .3], [.5, .5]]), torch.tensor([[0, 1], [0, 2], [1, 3]]))
+    np.testing.assert_allclose(mode.accounts[0], [.45, .225, .2, .125], rtol=0, atol=1e-7)
+    assert mode.layer_threshold(0) == pytest.approx(.65, abs=1e-7)
+    assert keep.tolist() == [[True, False], [True, False], [True, True]]
+    assert w[:2, 0].tolist() == pytest.approx([1.0, 1.0]) and w[2].tolist() == pytest.approx([.5, .5])
+    mode.begin_step(torch.tensor([True]))
+    w, i, keep = mode.modify(0, 4, torch.tensor([[.5, .5]]), torch.tensor([[3, 0]]))
+    np.testing.assert_allclose(mode.accounts[0], [.475, .1125, .1, .3125], rtol=0, atol=1e-7)
+    assert mode.layer_threshold(0) == pytest.approx(.575, abs=1e-7) and keep is None
+    w, i, keep = mode.modify(1, 4, torch.tensor([[.9, .1]]), torch.tensor([[1, 3]]))
+    np.testing.assert_allclose(mode.accounts[1], [.125, .575, .125, .175], rtol=0, atol=1e-7)
+    assert keep.tolist() == [[True, False]] and i.tolist() == [[1, 1]]
+    s = mode.stats()
+    assert s["activated_per_token"] == {0: pytest.approx(4 / 3), 1: 1.0}
+    assert (s["routed_pairs"], s["dropped_pairs"]) == (8, 3)
+
+
+def test_exfold_on_exact_multiples_reproduces_the_moe_output() -> None:
+    """A crafted layer: experts 3, 4, 5 are 2 x, -0.5 x and 0.25 x experts 0, 1, 2 (their
+    down projections scaled). Calibrated projectors find those scalars (explained 1), and
+    ExFold's folds (prefill top-1, and a decode pool of 3 that leaves experts 0, 4 and 5
+    out) give the exact layer's output within 1e-6 while computing fewer pairs."""
+    torch.manual_seed(0)
+    E, H, I = 6, 16, 8
+    gate_up, down = torch.randn(3, 2 * I, H) / 4, torch.randn(3, H, I) / 4
+    scale = torch.tensor([2.0, -0.5, 0.25])
+    store = ResidentExpertStore()
+    store.set_layer(0, torch.cat([gate_up, gate_up]), torch.cat([down, down * scale[:, None, None]]))
+    ex = make_expert_executor(store, 0, E)
+    x = torch.randn(7, H)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        return ex.forward(rows, torch.ones(len(rows), 1), torch.full((len(rows), 1), e))
+
+    stats = ProjectorStats(E)
+    calib = torch.randn(32, H)
+    stats.add(torch.stack([expert(e, calib) for e in range(E)], 1), torch.ones(32, E, dtype=torch.bool))
+    alpha, explained = stats.projectors()
+    for e, r, a in [(3, 0, 2.0), (0, 3, 0.5), (1, 4, -2.0), (5, 2, 0.25)]:
+        assert alpha[e, r].item() == pytest.approx(a, rel=1e-6) and explained[e, r].item() == pytest.approx(1, rel=1e-6)
+    proj = FoldProjectors({0: alpha.numpy()}, {0: explained.numpy()}, {})
+    ids = torch.tensor([[0, 3], [4, 1], [0, 1], [2, 5], [3, 1], [2, 4], [5, 0]])
+    weights = torch.tensor([[.6, .4], [.7, .3], [.5, .5], [.8, .2], [.6, .4], [.5, .5], [.6, .4]])
+    mode = ExFold(proj, prefill_k=1, pool_size=3)
+    mode.begin_step(torch.tensor([True] * 6 + [False]), torch.tensor([True, True] + [False] * 5))
+    w, i, keep = mode.modify(0, E, weights, ids)
+    # decode totals: 2: 1.3, 1: .9, 3: .6, 0: .5, 4: .5, 5: .2 -> pool {1, 2, 3}
+    assert i[2:6][keep[2:6]].unique().tolist() == [1, 2, 3] and torch.equal(i[6], ids[6])
+    assert keep.tolist() == [[True, False], [True, False], [True, True], [True, False], [True, True], [True, True],
+                             [True, True]]
+    torch.testing.assert_close(ex.forward(x, w, i, keep), ex.forward(x, weights, ids), rtol=0, atol=1e-6)
+    assert mode.stats()["dropped_pairs"] == 3
+
+
+def test_exfold_needs_projectors_of_this_model(tmp_path, demo_projectors) -> None:
+    from safetensors.torch import load_file, save_file
+
+    with pytest.raises(FileNotFoundError, match="moestream calibrate"):
+        LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "none.safetensors"))
+    t = load_file(demo_projectors)
+    save_file({n: v[:4, :4].contiguous() for n, v in t.items()}, str(tmp_path / "small.safetensors"),
+              metadata={"format": "moestream-exfold-projectors/1"})
+    with pytest.raises(ValueError, match=r"layer 0 needs \[16, 16\] projectors"):
+        LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "small.safetensors"))
+    save_file(t, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="is not an ExFold projector file"):
+        LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "other.safetensors"))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(expert_mode="eat", eat_threshold=0.0), "eat_threshold must be a number above 0"),
+    (dict(expert_mode="eat", eat_decay=1.0), r"eat_decay must be in \[0, 1\)"),
+    (dict(expert_mode="exfold", exfold_pool_size=0), "exfold_pool_size must be a positive integer"),
+])
+def test_bad_mode_parameters_are_refused(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM("demo", dtype="float32", **kw)

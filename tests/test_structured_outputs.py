@@ -144,15 +144,19 @@ def test_whitespace_pattern_sets_what_json_may_hold_between_tokens(llm: LLM) -> 
         assert not re.search(r"[\n\t]|  ", o.outputs[0].text), o.outputs[0].text
 
 
-def test_constrained_outputs_survive_preemption_and_prefix_hits() -> None:
+def test_constrained_outputs_survive_preemption_chunked_prefill_and_prefix_hits() -> None:
+    """A tight KV cache (preemptions), 8-token steps (prompts prefilled in chunks) and a
+    second round that hits the prefix cache give the unconstrained-engine run's outputs."""
     constrained = SamplingParams(temperature=0, max_tokens=64, structured_outputs=SO(json=SCHEMA,
                                                                                      disable_any_whitespace=True))
-    prompts = [p * 3 for p in PROMPTS[:8]]
+    prompts = [p * 6 for p in PROMPTS[:8]]  # at least one full KV block each
     ref = [o.outputs[0].text for o in LLM(demo_model_path(), dtype="float32", max_model_len=128,
                                           enable_prefix_caching=False).generate(prompts, constrained)]
     mc = model_config_from_hf(demo_model_path())
     block = kv_block_bytes(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
-    tight = LLM(demo_model_path(), dtype="float32", max_model_len=128, kv_cache_memory_bytes=10 * block)
+    tight = LLM(demo_model_path(), dtype="float32", max_model_len=128, kv_cache_memory_bytes=10 * block,
+                max_num_batched_tokens=8)
+    assert max(len(tight.get_tokenizer().encode(p)) for p in prompts) > 8  # some prompts take several chunks
     for _ in range(2):  # the second run hits the prefix cache
         assert [o.outputs[0].text for o in tight.generate(prompts, constrained)] == ref
     assert tight.llm_engine.scheduler.num_preemptions > 0

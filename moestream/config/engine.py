@@ -87,7 +87,8 @@ def parse_threads(text: str) -> int | str:
 _DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 _HYBRID = "hybrid models (Qwen3-Next, Qwen3.5-MoE)"
 _PAGING = "expert paging"
-EXPERT_MODES = ("exact", "resident-fold")  # opt-in approximate expert modes (docs/expert_modes.md)
+EXPERT_MODES = ("exact", "resident-fold", "eat", "exfold")  # opt-in approximate expert modes (docs/expert_modes.md)
+_MODES = "approximate expert modes (opt-in; docs/expert_modes.md)"
 _MM = "multimodal models (Qwen3.5-MoE with a vision tower)"
 
 
@@ -201,12 +202,30 @@ class EngineConfig:
     expert_mode: str = option("exact", "opt-in approximate expert mode, the default of every request (a request's "
                                        "expert_mode 'exact' opts out): resident-fold = with paged experts, a token's "
                                        "routed expert that is not resident and weighs less than "
-                                       "--resident-fold-threshold is dropped and its weight given to the token's "
-                                       "other experts, instead of a read (docs/expert_modes.md gives the measured "
-                                       "quality change)", group=_PAGING, choices=EXPERT_MODES)
+                                       "--resident-fold-threshold is folded onto its other experts instead of a "
+                                       "read; eat = Expert Account Tracker, an adaptive number of experts per token; "
+                                       "exfold = expert folding with calibrated projectors (`moestream calibrate`). "
+                                       "docs/expert_modes.md gives each one's measured quality change",
+                              group=_MODES, choices=EXPERT_MODES)
     resident_fold_threshold: float = option(0.25, "resident-fold: largest routing weight of a non-resident expert "
                                                   "that is folded (a token's top-1 expert never is)",
-                                            group=_PAGING, parse=float)
+                                            group=_MODES, parse=float)
+    eat_threshold: float = option(0.5, "eat: a non-top-1 pair is computed when its routing weight times its "
+                                       "expert's account (relative to uniform) reaches this times the layer's "
+                                       "average top-1 weight", group=_MODES, parse=float)
+    eat_decay: float = option(0.99, "eat: decay of the per-layer expert accounts, per MoE layer call (in [0, 1))",
+                              group=_MODES, parse=float)
+    exfold_prefill_k: int | None = option(None, "exfold: experts a prompt token keeps (the rest are folded onto "
+                                                "them)", group=_MODES, parse=int,
+                                          default_help="half the model's top-k, at least 1")
+    exfold_pool_size: int | None = option(None, "exfold: experts a decode step computes for the mode's rows per "
+                                                "layer (the batch's other routed experts are folded onto them)",
+                                          group=_MODES, parse=int, default_help="4 x the model's top-k")
+    exfold_projectors: str | None = option(None, "ExFold projectors file (`moestream calibrate`): exfold's, and "
+                                                 "given with resident-fold, its folds use them instead of "
+                                                 "renormalising", group=_MODES, metavar="FILE",
+                                           default_help="exfold: exfold_projectors.safetensors in the model "
+                                                        "directory; resident-fold: none")
     record_routing: str | None = option(None, "record (request, token, layer, expert ids) of every routed token "
                                               "to FILE (.npz)", group=_PAGING, metavar="FILE")
     max_resident_states: int | None = option(None, "requests whose linear-attention states stay on the device; "
@@ -269,6 +288,14 @@ class EngineConfig:
             raise ValueError(f"unknown expert_mode '{self.expert_mode}'; use one of {', '.join(EXPERT_MODES)}")
         if not (is_number(self.resident_fold_threshold) and 0.0 < self.resident_fold_threshold <= 1.0):
             raise ValueError(f"resident_fold_threshold must be in (0, 1], got {self.resident_fold_threshold!r}")
+        if not (is_number(self.eat_threshold) and self.eat_threshold > 0.0):
+            raise ValueError(f"eat_threshold must be a number above 0, got {self.eat_threshold!r}")
+        if not (is_number(self.eat_decay) and 0.0 <= self.eat_decay < 1.0):
+            raise ValueError(f"eat_decay must be in [0, 1), got {self.eat_decay!r}")
+        for name in ("exfold_prefill_k", "exfold_pool_size"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"{name} must be a positive integer (experts), got {value!r}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"mamba_ssm_cache_dtype must be auto, float32, bfloat16 or float16; got {self.mamba_ssm_cache_dtype!r}"

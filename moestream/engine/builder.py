@@ -25,6 +25,10 @@ from moestream.engine.state_pool import StatePool
 from moestream.experts.planner import ExpertPlan, plan_experts
 from moestream.experts.policy import make_policy
 from moestream.experts.resident import ResidentExpertStore
+from moestream.experts.eat import ExpertAccountTracker
+from moestream.experts.exfold import ExFold
+from moestream.experts.expert_mode import ExpertMode
+from moestream.experts.fold_projectors import FoldProjectors
 from moestream.experts.resident_fold import ResidentFold
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.experts.trace import RoutingRecorder
@@ -33,6 +37,7 @@ from moestream.reasoning import get_reasoning_parser
 from moestream.generation_config import default_sampling_fields
 from moestream.kernels.build import load_cpu_kernels
 from moestream.layers.attention_backend import TorchAttentionBackend
+from moestream.layers.moe import SparseMoE
 from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
 from moestream.loader import (
     CheckpointReader,
@@ -75,7 +80,7 @@ class EngineParts:
     input_processor: InputProcessor
     expert_plan: ExpertPlan
     expert_store: ResidentExpertStore | PagedExpertStore
-    expert_mode: ResidentFold | None
+    expert_mode: ExpertMode | None
     elastic_memory: ElasticMemory | None
     recorder: RoutingRecorder | None
     state_pool: StatePool | None
@@ -186,7 +191,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     fused_moe = use_cpu_kernel(config.moe_runner_backend, "moe_runner_backend", "fused_cpu", device, dtype,
                                config.batch_invariant)
     model.set_fused_moe(fused_moe)
-    expert_mode = _make_expert_mode(config, store)
+    expert_mode = _make_expert_mode(config, store, mcfg, model)
     model.set_routing_modifier(expert_mode)
     if plan.resident and packed:
         load_packed_experts(packed[0], packed[1], mcfg.num_experts, device, store)
@@ -257,18 +262,40 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
 
 
-def _make_expert_mode(config: EngineConfig, store: ResidentExpertStore | PagedExpertStore) -> ResidentFold | None:
+def _make_expert_mode(config: EngineConfig, store: ResidentExpertStore | PagedExpertStore, mcfg: ModelConfig,
+                      model: torch.nn.Module) -> ExpertMode | None:
     """The engine's approximate expert mode, or None (exact). resident-fold needs paged
-    experts: with every expert resident nothing is ever folded, so it is off (and logged)."""
+    experts: with every expert resident nothing is ever folded, so it is off (and logged).
+
+    Raises:
+        FileNotFoundError: exfold without a projector file.
+        ValueError: a projector file of another model.
+    """
     if config.expert_mode == "exact":
         return None
+    layers = sorted({m.layer_idx for m in model.modules() if isinstance(m, SparseMoE)})
+    path = config.exfold_projectors or FoldProjectors.path_for(str(config.model))
+    k = mcfg.num_experts_per_tok
+    note = "approximate; requests may opt out with expert_mode 'exact'"
+    if config.expert_mode == "eat":
+        logger.info("expert_mode eat: threshold %g, decay %g (%s)", config.eat_threshold, config.eat_decay, note)
+        return ExpertAccountTracker(config.eat_threshold, config.eat_decay)
+    if config.expert_mode == "exfold":
+        projectors = FoldProjectors.load(path, layers, mcfg.num_experts)
+        prefill_k = config.exfold_prefill_k or max(1, k // 2)
+        pool = config.exfold_pool_size or 4 * k
+        logger.info("expert_mode exfold: prompt tokens keep %d of %d experts, decode pool %d, projectors %s (%s)",
+                    prefill_k, k, pool, path, note)
+        return ExFold(projectors, prefill_k, pool)
     if not isinstance(store, PagedExpertStore):
         logger.warning("expert_mode resident-fold: every expert is resident (no expert_budget below 1), so nothing "
                        "is folded; running exact")
         return None
-    logger.info("expert_mode resident-fold: non-resident experts under routing weight %g are folded (approximate; "
-                "requests may opt out with expert_mode 'exact')", config.resident_fold_threshold)
-    return ResidentFold(store, config.resident_fold_threshold)
+    projectors = FoldProjectors.load(path, layers, mcfg.num_experts) if config.exfold_projectors else None
+    logger.info("expert_mode resident-fold: non-resident experts under routing weight %g are folded %s (%s)",
+                config.resident_fold_threshold,
+                f"with the projectors of {path}" if projectors else "by renormalising the rest", note)
+    return ResidentFold(store, config.resident_fold_threshold, projectors)
 
 
 def make_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int) -> GrammarBackend:

@@ -20,7 +20,7 @@ from moestream.engine.input_processor import PromptType
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import ProcessedPrompt, Request, RequestStatus
 from moestream.engine.scheduler import SchedulerOutput
-from moestream.experts.resident_fold import cache_salt
+from moestream.experts.expert_mode import cache_salt
 from moestream.outputs import RequestOutput
 from moestream.sampler import SamplerOutput, first_rows, make_generator
 from moestream.sampling_params import SamplingParams

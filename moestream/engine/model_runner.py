@@ -14,7 +14,7 @@ from moestream.engine.prompt_logprobs import PromptLogprobsChunk, compute_prompt
 from moestream.engine.request import Request
 from moestream.engine.scheduler import SchedulerOutput
 from moestream.engine.state_pool import StatePool
-from moestream.experts.resident_fold import ResidentFold
+from moestream.experts.expert_mode import ExpertMode
 from moestream.experts.trace import RoutingRecorder
 from moestream.layers.attention_backend import AttentionMetadata
 from moestream.layers.recurrent_state import StateMetadata
@@ -69,7 +69,7 @@ class ModelRunner:
         self.block_size = block_size
         self.state_pool = state_pool
         self.recorder = recorder
-        self.expert_mode: ResidentFold | None = None  # an approximate expert mode (set by the builder)
+        self.expert_mode: ExpertMode | None = None  # an approximate expert mode (set by the builder)
         heads, k_dim, v_dim = cfg.kv_cache_dims
         num_layers = len(cfg.attention_layers)
         if layer_tensor is None:
@@ -229,7 +229,8 @@ class ModelRunner:
         mode = self.expert_mode
         if mode is not None:  # the rows of requests in the engine's approximate mode (not opted out with "exact")
             rows = [(r.sampling_params.expert_mode or mode.name) != "exact" for r, n in scheduled for _ in range(n)]
-            mode.begin_step(torch.tensor(rows, device=dev) if any(rows) else None)
+            prompt = [r.num_computed_tokens + i < r.num_prompt_tokens for r, n in scheduled for i in range(n)]
+            mode.begin_step(torch.tensor(rows, device=dev) if any(rows) else None, torch.tensor(prompt, device=dev))
         try:
             hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,
                                 inputs_embeds=self._inputs_embeds(ids, spans))  # [T, H]

@@ -9,13 +9,12 @@ Per MoE layer call, for the rows of requests in this mode (the others are untouc
   which is not the token's top-1 pair (so every token keeps at least one expert);
 - a candidate whose expert is loaded anyway (another pair of the batch, exact or above the
   threshold, needs it) is kept: folding it would save no read;
-- the rest are dropped, and each token's remaining weights are rescaled so that they sum to
-  what the router's top-k summed to ("renormalized over the resident top-k"). A token with
-  nothing dropped keeps the router's weights bit for bit.
-
-Without calibrated projectors (ExFold's, not built yet) the fold is plain renormalisation
-over the kept experts, as a renormalised top-k router weighs its choice; docs/expert_modes.md
-has the measured quality change.
+- the rest are folded. With ExFold's calibrated projectors (`fold_projectors.py`), each
+  onto the token's kept expert that best stands in for it (weight alpha * w added there);
+  without, dropped, and each token's remaining weights rescaled so that they sum to what
+  the router's top-k summed to ("renormalized over the resident top-k"). A token with
+  nothing folded keeps the router's weights bit for bit. docs/expert_modes.md has the
+  measured quality change.
 
 Counted per engine (`stats`): routed and folded weight of the mode's rows, pairs dropped,
 and misses avoided (distinct dropped experts per layer call: each would have been a read).
@@ -24,17 +23,14 @@ and misses avoided (distinct dropped experts per layer call: each would have bee
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from moestream.experts.expert_mode import ExpertMode
+from moestream.experts.fold_projectors import FoldProjectors
 from moestream.experts.store import PagedExpertStore
 
 
-class ResidentFold:
-    """The routing modifier of `SparseMoE` (`RoutingModifier`) for resident-fold.
-
-    `begin_step(rows)` names this step's approximate rows (rows [T] bool on the device, or
-    None when no scheduled request uses the mode: then `modify` returns the router's tensors
-    as they are, with no work and no host sync).
+class ResidentFold(ExpertMode):
+    """The routing modifier of `SparseMoE` (`RoutingModifier`) for resident-fold; per request.
 
     Raises:
         ValueError: a threshold outside (0, 1].
@@ -42,32 +38,18 @@ class ResidentFold:
 
     name = "resident-fold"
 
-    def __init__(self, store: PagedExpertStore, threshold: float) -> None:
+    def __init__(self, store: PagedExpertStore, threshold: float, projectors: FoldProjectors | None = None) -> None:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"resident_fold_threshold must be in (0, 1], got {threshold!r}")
-        self.store, self.threshold = store, threshold
-        self.rows: torch.Tensor | None = None
-        self.routed_weight = 0.0  # sum of the routing weights of the mode's rows
-        self.folded_weight = 0.0  # of which served by other experts
-        self.routed_pairs = 0  # (token, k) pairs of the mode's rows
-        self.dropped_pairs = 0
-        self.misses_avoided = 0
+        super().__init__()
+        self.store, self.threshold, self.projectors = store, threshold, projectors
+        self.renormalize = projectors is None
 
-    def begin_step(self, rows: torch.Tensor | None) -> None:
-        """This step's rows [T] bool in the mode, or None for none."""
-        self.rows = rows
+    def params(self) -> dict:
+        return {"threshold": self.threshold, "projectors": self.projectors is not None}
 
-    def modify(self, layer: int, num_experts: int, weights: torch.Tensor, ids: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """weights [T, k] float32, ids [T, k] int64 -> (weights, ids, keep [T, k] bool or None).
-
-        Decided on the host in numpy (a decode step's [T, k] is a few dozen pairs, where
-        torch's per-op cost would exceed a small expert's read); the paged executor reads its
-        counts on the host anyway."""
-        if self.rows is None:
-            return weights, ids, None
-        rows = self.rows.cpu().numpy()  # [T] bool
-        w, e = weights.detach().cpu().numpy(), ids.cpu().numpy()  # [T, k]
+    def decide(self, layer: int, num_experts: int, rows: np.ndarray, prefill: np.ndarray, w: np.ndarray,
+               e: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         available = np.zeros(num_experts + 1, dtype=bool)
         available[self.store.available_experts(layer)] = True
         top1 = w.argmax(axis=1)  # [T]
@@ -75,39 +57,14 @@ class ResidentFold:
         cand = rows[:, None] & ~available[e] & (w < self.threshold) & not_top1
         loaded = np.zeros(num_experts + 1, dtype=bool)
         loaded[np.where(cand, num_experts, e)] = True  # experts read anyway
-        drop = cand & ~loaded[e]  # [T, k]
-        self.routed_weight += float(w[rows].sum(dtype=np.float64))
-        self.routed_pairs += int(rows.sum()) * e.shape[1]
-        if not drop.any():
-            return weights, ids, None
-        kept = np.where(drop, np.float32(0.0), w)
-        scale = w.sum(axis=1, keepdims=True) / kept.sum(axis=1, keepdims=True)  # [T, 1]
-        new_w = np.where(drop.any(axis=1, keepdims=True), kept * scale, w)  # rows without a drop: the router's
-        new_e = np.where(drop, e[np.arange(len(e)), top1][:, None], e)
-        self.folded_weight += float(w[drop].sum(dtype=np.float64))
-        self.dropped_pairs += int(drop.sum())
-        self.misses_avoided += len(np.unique(e[drop]))
-        dev = ids.device
-        return (torch.from_numpy(new_w).to(dev), torch.from_numpy(new_e).to(dev),
-                torch.from_numpy(~drop).to(dev))
-
-    def stats(self) -> dict:
-        """{"mode", "threshold", "routed_weight", "folded_weight", "folded_fraction" (of the
-        mode's routed weight), "routed_pairs", "dropped_pairs", "active_fraction" (of the
-        routed pairs computed), "misses_avoided"}."""
-        return {"mode": self.name, "threshold": self.threshold, "routed_weight": self.routed_weight,
-                "folded_weight": self.folded_weight,
-                "folded_fraction": self.folded_weight / self.routed_weight if self.routed_weight else 0.0,
-                "routed_pairs": self.routed_pairs, "dropped_pairs": self.dropped_pairs,
-                "active_fraction": 1.0 - self.dropped_pairs / self.routed_pairs if self.routed_pairs else 1.0,
-                "misses_avoided": self.misses_avoided}
-
-
-def cache_salt(requested: str | None, mode: ResidentFold | None) -> bytes:
-    """The prefix-cache salt of a request asking for `requested` (None: the engine's mode) on
-    an engine running `mode` (None: exact): b"" when the request runs exact, else the mode
-    and its threshold, so that KV computed with folded experts is only reused by requests
-    folding the same way."""
-    if mode is None or (requested or mode.name) == "exact":
-        return b""
-    return f"expert_mode={mode.name};threshold={mode.threshold!r}".encode()
+        fold = cand & ~loaded[e]  # [T, k]
+        if not fold.any():
+            return None
+        target, alpha = np.zeros_like(e), np.zeros(e.shape, dtype=np.float32)
+        if self.projectors is not None:  # onto the token's best kept expert
+            t, j = np.nonzero(fold)
+            allowed = np.zeros((len(t), num_experts), dtype=bool)
+            kept_t, kept_j = np.nonzero(~fold[t])
+            allowed[kept_t, e[t][kept_t, kept_j]] = True
+            target[t, j], alpha[t, j] = self.projectors.best(layer, e[t, j], allowed)
+        return fold, target, alpha

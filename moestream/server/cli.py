@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `moestream` argument parser with its generate, serve, eval-loss and trace-sim commands."""
+    """The `moestream` argument parser with its generate, serve, eval-loss, calibrate and trace-sim commands."""
+    from moestream.server.cli_calibrate import add_calibrate_parser
     from moestream.server.cli_eval_loss import add_eval_loss_parser
     from moestream.server.cli_generate import add_generate_parser
 
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --max-num-seqs)")
     r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
     add_eval_loss_parser(sub)
+    add_calibrate_parser(sub)
     sim = sub.add_parser("trace-sim", add_help=False,
                          help="replay a routing trace against each eviction policy and Belady's optimum "
                               "(see `moestream trace-sim --help`)")
@@ -140,11 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    if args.command == "eval-loss":
+    if args.command in ("eval-loss", "calibrate"):
+        from moestream.server.cli_calibrate import run_calibrate
         from moestream.server.cli_eval_loss import run_eval_loss
 
         try:
-            return run_eval_loss(args)
+            return (run_eval_loss if args.command == "eval-loss" else run_calibrate)(args)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -1,13 +1,16 @@
-"""`moestream eval-loss [MODEL] [--text FILE] [--expert-mode MODE] [engine flags]`: the
-teacher-forced loss of a text through the engine's own decode path, in exact mode and, when
-one is given, in an approximate expert mode, printed side by side with the delta.
+"""`moestream eval-loss [MODEL] [--text FILE] [--expert-mode MODE] [--path decode|prefill]
+[engine flags]`: the teacher-forced loss of a text through the engine's own decode path (or
+its prefill path), in exact mode and, when one is given, in an approximate expert mode,
+printed side by side with the delta.
 
 Teacher forcing through decode (as tests/test_demo_model.py holds the demos to their bound):
 each sequence starts from its first token, and a logits processor records the log-probability
 of the text's next token from the raw logits, then forces that token. All sequences decode
 together, so the MoE layers see decode-sized batches and paging behaves as in serving. The
 default text is the demos' held-out standard-library files (`moestream.demo.heldout_files`),
-one sequence per file. Imports nothing heavy until the command runs.
+one sequence per file. `--path prefill` scores each sequence as one prompt instead, from its
+prompt logprobs (`prefill_loss`): the path ExFold's prefill folding acts on. Imports nothing
+heavy until the command runs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ def add_eval_loss_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "standard-library files)")
     p.add_argument("--num-seqs", type=int, default=16, help="sequences scored together (default: 16)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence, at most (default: 256)")
+    p.add_argument("--path", choices=("decode", "prefill"), default="decode",
+                   help="score through decode (teacher forcing, the default) or through prefill (prompt logprobs)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE as JSON")
     add_engine_args(p)
     p.set_defaults(subparser=p)
@@ -90,6 +95,19 @@ def teacher_forced_loss(llm: Any, sequences: list[list[int]]) -> dict:
     return {"tokens": len(nll), "loss": sum(nll) / len(nll), "seconds": seconds, "expert": llm.expert_stats()}
 
 
+def prefill_loss(llm: Any, sequences: list[list[int]]) -> dict:
+    """Score `sequences` (token ids, each at least 2) as prompts, from their prompt logprobs
+    (the prefill path): the same keys as `teacher_forced_loss`."""
+    from moestream import SamplingParams
+
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    nll = [-o.prompt_logprobs[i][t].logprob for o, s in zip(outs, sequences) for i, t in enumerate(s) if i > 0]
+    return {"tokens": len(nll), "loss": sum(nll) / len(nll), "seconds": seconds, "expert": llm.expert_stats()}
+
+
 def run_eval_loss(args: argparse.Namespace) -> int:
     """Run `moestream eval-loss`; returns the exit status (0). Bad flags raise ValueError."""
     from moestream import LLM
@@ -102,9 +120,11 @@ def run_eval_loss(args: argparse.Namespace) -> int:
     if args.model_dir is not None:
         kw["model"] = args.model_dir
     mode = kw.pop("expert_mode", "exact")
-    kw.setdefault("max_model_len", args.seq_len)  # a sequence is its first token and seq_len - 1 forced ones
-    if kw["max_model_len"] < args.seq_len:
-        raise ValueError(f"--seq-len {args.seq_len} needs --max-model-len of at least {args.seq_len} "
+    # decode: a sequence is its first token and seq_len - 1 forced ones; prefill: a prompt and one sampled token
+    need = args.seq_len + (args.path == "prefill")
+    kw.setdefault("max_model_len", need)
+    if kw["max_model_len"] < need:
+        raise ValueError(f"--seq-len {args.seq_len} needs --max-model-len of at least {need} "
                          f"(got {kw['max_model_len']}); lower --seq-len or raise --max-model-len")
     results: dict[str, dict] = {}
     sequences: list[list[int]] | None = None
@@ -116,7 +136,7 @@ def run_eval_loss(args: argparse.Namespace) -> int:
             sequences = [s for s in sequences if len(s) >= 2]
             if not sequences:
                 raise ValueError("no text of at least 2 tokens to score")
-        results[name] = teacher_forced_loss(llm, sequences)
+        results[name] = (prefill_loss if args.path == "prefill" else teacher_forced_loss)(llm, sequences)
         del llm
         gc.collect()
     _print(results)
@@ -139,5 +159,9 @@ def _print(results: dict[str, dict]) -> None:
             print(f"  {name}: every expert is resident (no --expert-budget below 1), so it never acted")
         if "expert_mode" in r["expert"]:
             m = r["expert"]["expert_mode"]
-            print(f"  {name}: {m['folded_fraction']:.1%} of the routed weight folded, {m['misses_avoided']} misses "
-                  f"avoided ({m['dropped_pairs']} (token, expert) pairs dropped)")
+            print(f"  {name}: {m['folded_fraction']:.1%} of the routed weight folded, {m['dropped_pairs']} of "
+                  f"{m['routed_pairs']} (token, expert) pairs not computed, {m['misses_avoided']} expert loads "
+                  f"avoided")
+            if "activated_mean" in m:
+                print(f"  {name}: experts per token by layer: "
+                      + " ".join(f"{layer}:{v:.2f}" for layer, v in m["activated_per_token"].items()))

@@ -24,13 +24,14 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 
-# `ResidentFold.stats` keys exported as counters moestream:expert_mode_KEY
+# `ExpertMode.stats` keys exported as counters moestream:expert_mode_KEY
 _EXPERT_MODE_COUNTERS = (
     ("routed_weight", "Routing weight of the tokens in the approximate expert mode."),
-    ("folded_weight", "Routing weight of non-resident experts folded onto a token's other experts."),
+    ("folded_weight", "Routing weight the approximate expert mode folded onto other experts or dropped."),
     ("routed_pairs", "(token, expert) pairs routed for the tokens in the approximate expert mode."),
     ("dropped_pairs", "(token, expert) pairs the approximate expert mode did not compute."),
-    ("misses_avoided", "Expert reads the approximate expert mode avoided."),
+    ("misses_avoided", "Experts per MoE layer call the approximate expert mode left uncomputed (reads avoided "
+                       "when paged)."),
 )
 
 
@@ -79,6 +80,13 @@ class _EngineCollector(Collector):
         if mode is not None:  # an approximate expert mode (docs/expert_modes.md)
             for key, text in _EXPERT_MODE_COUNTERS:
                 yield CounterMetricFamily(f"moestream:expert_mode_{key}", text, float(mode[key]))
+            if "activated_per_token" in mode:  # EAT
+                g = GaugeMetricFamily("moestream:expert_mode_activated_experts",
+                                      "Mean experts computed per token in the approximate expert mode, by MoE layer.",
+                                      labels=["layer"])
+                for layer, value in mode["activated_per_token"].items():
+                    g.add_metric([str(layer)], float(value))
+                yield g
         pc = s.prefix_cache_stats
         if pc.get("enabled"):
             yield CounterMetricFamily("moestream:prefix_cache_queries",
