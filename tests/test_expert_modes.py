@@ -286,8 +286,6 @@ def test_folds_merge_onto_kept_pairs_and_replace_the_rest() -> None:
     assert new_e.tolist() == [[0, 1, 0], [3, 2, 3], [0, 1, 2]]
     np.testing.assert_allclose(new_w[:2], [[.6, .5, 0], [.5, -.15, 0]], rtol=0, atol=1e-7)
     assert np.array_equal(new_w[2], w[2])
-    with pytest.raises(ValueError, match="dropped every expert of a token"):
-        apply_folds(w[:1], e[:1], np.ones((1, 3), dtype=bool), target[:1], np.zeros((1, 3), dtype=np.float32))
 
 
 def test_eat_accounts_thresholds_and_activated_counts_on_a_fixed_history() -> None:
@@ -365,6 +363,9 @@ def test_exfold_needs_projectors_of_this_model(tmp_path, demo_projectors) -> Non
               metadata={"format": "moestream-exfold-projectors/1"})
     with pytest.raises(ValueError, match=r"layer 0 needs \[16, 16\] projectors"):
         LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "small.safetensors"))
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "garbage.safetensors"))
     save_file(t, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="is not an ExFold projector file"):
         LLM("demo", dtype="float32", expert_mode="exfold", exfold_projectors=str(tmp_path / "other.safetensors"))
@@ -378,3 +379,63 @@ def test_exfold_needs_projectors_of_this_model(tmp_path, demo_projectors) -> Non
 def test_bad_mode_parameters_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM("demo", dtype="float32", **kw)
+
+
+def test_a_token_never_loses_every_expert() -> None:
+    """Regression: ExFold's decode pool could leave a token whose experts all lay outside the
+    pool with alpha 0 (experts never routed in calibration), and apply_folds then raised
+    inside the forward, failing the whole step. Now a pair without a projector is computed
+    as routed, and a row that would drop everything keeps its heaviest pair."""
+    alpha = np.zeros((8, 8), dtype=np.float32)
+    alpha[:6, :6] = 0.5  # experts 6 and 7 were never routed in calibration
+    proj = FoldProjectors({0: alpha}, {0: np.abs(alpha)}, {})
+    mode = ExFold(proj, prefill_k=1, pool_size=2)
+    mode.begin_step(np.array([True, True, True]))
+    ids = torch.tensor([[0, 1], [0, 1], [6, 7]])
+    w, i, keep = mode.modify(0, 8, torch.tensor([[.6, .4], [.7, .3], [.55, .45]]), ids)  # pool {0, 1}
+    assert keep is None or keep[2].all()  # experts 6, 7: no projector, computed as routed
+    drop = ExpertAccountTracker(threshold=1.0, decay=0.5)  # drops only: folds with alpha 0
+    drop.decide = lambda *a: (np.ones((1, 2), dtype=bool), np.zeros((1, 2), dtype=np.int64),
+                              np.zeros((1, 2), dtype=np.float32))
+    drop.begin_step(np.array([True]))
+    w, i, keep = drop.modify(0, 8, torch.tensor([[.3, .7]]), torch.tensor([[2, 5]]))
+    assert keep.tolist() == [[False, True]] and i.tolist() == [[5, 5]] and w[0, 1].item() == pytest.approx(1.0)
+
+
+def test_recomputed_output_tokens_are_prompt_rows() -> None:
+    """Regression: after a preemption, a request's recomputed output tokens were classed as
+    decode rows, and ExFold's batch-wide decode pool was taken over by them. A step now has
+    at most one decode row per request (no drafts here); the rest are prompt rows."""
+    from moestream.engine.kv_cache import kv_block_bytes
+    from moestream.models.hf_config import model_config_from_hf
+    from moestream.demo import demo_model_path
+
+    mc = model_config_from_hf(demo_model_path())
+    block = kv_block_bytes(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
+    llm = LLM("demo", dtype="float32", max_model_len=128, kv_cache_memory_bytes=10 * block, expert_mode="eat",
+              enable_prefix_caching=False)
+    mode, steps = llm.llm_engine.runner.expert_mode, []
+    begin = mode.begin_step
+
+    def record(rows, prefill=None):
+        if rows is not None:
+            steps.append((len(rows), int((~prefill).sum())))
+        begin(rows, prefill)
+
+    mode.begin_step = record
+    llm.generate([p * 3 for p in PROMPTS * 2], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert steps and all(decode <= 8 for _, decode in steps)
+    assert max(t for t, _ in steps) > 8  # prompt (and recompute) steps were seen
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--expert-budget", "0.25"], "run it with every expert resident"),
+    (["--output", "/nonexistent_dir/p.safetensors"], "its directory does not exist"),
+    (["--expert-mode", "eat"], "calibrate runs exact"),
+])
+def test_calibrate_refuses_bad_flags_before_loading(flags: list[str], message: str, capsys) -> None:
+    from moestream.server.cli import main
+
+    assert main(["calibrate", "demo", *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -61,7 +61,10 @@ class ExpertAccountTracker(ExpertMode):
         """Fold one call's routing (w, e [n, k] of the mode's rows) into the layer's account
         and top-1 average."""
         share = np.bincount(e.ravel(), weights=w.ravel().astype(np.float64), minlength=num_experts)[:num_experts]
-        share /= share.sum()
+        total = share.sum()
+        if not total > 0:  # no routed weight in this call (or a NaN): nothing to learn from it
+            return
+        share /= total
         a = self.accounts.get(layer)
         a = np.full(num_experts, 1.0 / num_experts) if a is None else a
         self.accounts[layer] = self.decay * a + (1.0 - self.decay) * share
@@ -78,6 +81,8 @@ class ExpertAccountTracker(ExpertMode):
         if not rows.any():
             return None
         self.update(layer, num_experts, w[rows], e[rows])
+        if layer not in self.accounts:
+            return None
         score = w.astype(np.float64) * num_experts * self.accounts[layer][e]  # [T, k]
         top1 = np.arange(e.shape[1])[None, :] == w.argmax(axis=1)[:, None]
         fold = rows[:, None] & ~top1 & (score < self.layer_threshold(layer))

@@ -10,7 +10,8 @@ Written from ExFold's description (the paper's text was not available offline):
 - decode, batch-level expert-pool folding: over the decode rows of the requests in the
   mode, the pool is the `pool_size` experts of largest summed routing weight (ties: lower
   id); each pair whose expert is outside the pool is folded onto the pool expert that best
-  stands in for it, so the step computes at most `pool_size` experts for those rows. This
+  stands in for it, so the step computes at most `pool_size` experts for those rows (plus
+  any expert without a calibrated projector, which is computed as routed). This
   needs the whole batch: a request's decode output depends on the other ExFold requests
   it is batched with (exact requests are untouched and never change it).
 """
@@ -69,4 +70,5 @@ class ExFold(ExpertMode):
         target, alpha = np.zeros_like(e), np.zeros((T, k), dtype=np.float32)
         t, j = np.nonzero(fold)
         target[t, j], alpha[t, j] = self.projectors.best(layer, e[t, j], allowed[t])
+        fold &= alpha != 0  # no projector (the expert was never routed in calibration): computed as routed
         return fold, target, alpha

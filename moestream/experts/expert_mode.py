@@ -37,13 +37,15 @@ class ExpertMode:
         self.dropped_pairs = 0  # of which not computed
         self.misses_avoided = 0  # distinct experts per layer call no pair needs any more
 
-    def begin_step(self, rows: torch.Tensor | None, prefill: torch.Tensor | None = None) -> None:
+    def begin_step(self, rows: np.ndarray | torch.Tensor | None, prefill: np.ndarray | torch.Tensor | None = None
+                   ) -> None:
         """This step's rows [T] bool in the mode (None: none, and `modify` returns the
         router's tensors untouched, with no work and no host sync) and its prompt rows
-        [T] bool (None: all decode). Read to the host once here, not per layer."""
-        self.rows = None if rows is None else rows.cpu().numpy()
+        [T] bool (None: all decode; a recomputed output token counts as a prompt row), on
+        the host."""
+        self.rows = None if rows is None else np.asarray(rows, dtype=bool)
         self.prefill = None if rows is None else (
-            np.zeros(len(self.rows), dtype=bool) if prefill is None else prefill.cpu().numpy())
+            np.zeros(len(self.rows), dtype=bool) if prefill is None else np.asarray(prefill, dtype=bool))
 
     def params(self) -> dict:
         """The mode's parameters, as `stats` and the cache salt name them."""
@@ -70,6 +72,9 @@ class ExpertMode:
             return weights, ids, None
         fold, target, alpha = decision
         fold &= rows[:, None]
+        empty = (fold & (alpha == 0)).all(axis=1)  # [T]: rows that would keep no expert
+        if empty.any():  # a token needs one: its heaviest pair stays as routed
+            fold[empty, w[empty].argmax(axis=1)] = False
         if not fold.any():
             return weights, ids, None
         new_w, new_e, keep = apply_folds(w, e, fold, target, alpha)
@@ -107,17 +112,13 @@ def apply_folds(w: np.ndarray, e: np.ndarray, fold: np.ndarray, target: np.ndarr
     (alpha 0: dropped). Pairs of one token that end on the same expert are merged into the
     first of them (weights summed); the others get keep False, weight 0 and the id of an
     expert the token keeps (the store and the recorder see only experts that are computed).
-    A row with nothing folded keeps the router's weights bit for bit.
-
-    Raises:
-        ValueError: a row whose every pair is dropped (alpha 0): a token needs an expert.
+    A row with nothing folded keeps the router's weights bit for bit. Every row must keep
+    a pair (`ExpertMode.modify` unfolds the heaviest pair of a row that would drop all).
     """
     changed = fold.any(axis=1)  # [T]
     moved = fold & (alpha != 0)  # pairs that end on another expert
     if not moved.any():  # drops only: a router's top-k has distinct experts, so nothing merges
         keep = ~fold
-        if not keep.any(axis=1).all():
-            raise ValueError("an expert mode dropped every expert of a token; a token needs at least one")
         new_w = np.where(keep, w, np.float32(0.0))
         fill = e[np.arange(len(e)), keep.argmax(axis=1)]  # [T]: an expert each token keeps
         return new_w, np.where(keep, e, fill[:, None]), keep
@@ -129,8 +130,6 @@ def apply_folds(w: np.ndarray, e: np.ndarray, fold: np.ndarray, target: np.ndarr
     for j in range(1, k):  # a later live pair on an expert an earlier live pair of the token has
         dup[:, j] = ((final[:, :j] == final[:, j:j + 1]) & alive[:, :j]).any(axis=1) & alive[:, j]
     keep = alive & ~dup
-    if not keep.any(axis=1).all():
-        raise ValueError("an expert mode dropped every expert of a token; a token needs at least one")
     merged = contrib
     if dup.any():
         first = np.argmax((final[:, :, None] == final[:, None, :]) & alive[:, None, :], axis=2)  # [T, k]

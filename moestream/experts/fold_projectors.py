@@ -88,25 +88,33 @@ class FoldProjectors:
 
         Raises:
             FileNotFoundError: no file (the message says how to make one).
-            ValueError: another format, or projectors of another shape (another model).
+            ValueError: an unreadable file, another format, projectors of another shape
+                (another model) or values that are not finite.
         """
         if not os.path.exists(path):
             raise FileNotFoundError(f"no ExFold projectors at {path}; make them with "
                                     f"`moestream calibrate MODEL --text FILE` (or pass --exfold-projectors FILE)")
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+            tensors = load_file(path) if meta.get("format") == FORMAT else {}
+        except SafetensorError as e:
+            raise ValueError(f"{path} is not a readable safetensors file ({e}); recalibrate with "
+                             f"`moestream calibrate`") from e
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path} is not an ExFold projector file (format {meta.get('format')!r}, "
                              f"expected {FORMAT!r})")
-        tensors = load_file(path)
         alpha, explained = {}, {}
+        shape = (num_experts, num_experts)
         for layer in layers:
             a, x = tensors.get(f"layers.{layer}.alpha"), tensors.get(f"layers.{layer}.explained")
-            if a is None or x is None or tuple(a.shape) != (num_experts, num_experts):
+            if a is None or x is None or tuple(a.shape) != shape or tuple(x.shape) != shape:
                 raise ValueError(f"{path} does not fit this model: layer {layer} needs [{num_experts}, "
                                  f"{num_experts}] projectors; recalibrate with `moestream calibrate`")
+            if not (torch.isfinite(a).all() and torch.isfinite(x).all()):
+                raise ValueError(f"{path}: layer {layer}'s projectors are not finite; recalibrate")
             alpha[layer], explained[layer] = a.numpy(), x.numpy()
         return cls(alpha, explained, meta)
 

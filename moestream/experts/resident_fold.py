@@ -67,4 +67,5 @@ class ResidentFold(ExpertMode):
             kept_t, kept_j = np.nonzero(~fold[t])
             allowed[kept_t, e[t][kept_t, kept_j]] = True
             target[t, j], alpha[t, j] = self.projectors.best(layer, e[t, j], allowed)
+            fold &= alpha != 0  # no projector for the expert: read as routed
         return fold, target, alpha

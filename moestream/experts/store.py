@@ -158,7 +158,9 @@ class PagedExpertStore:
 
     def on_route(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         ids = topk_ids.flatten()
-        mass = torch.zeros(int(ids.max()) + 1, dtype=torch.float32).index_add_(0, ids.cpu(), topk_weights.flatten().float().cpu())
+        # abs: an approximate mode's folded weights may be negative (ExFold's projectors); routers' never are
+        mass = torch.zeros(int(ids.max()) + 1, dtype=torch.float32).index_add_(
+            0, ids.cpu(), topk_weights.flatten().float().abs().cpu())
         experts = torch.nonzero(mass).flatten().tolist()
         with self._queue.lock:
             self.policy.on_route(layer, experts, [mass[e].item() for e in experts])

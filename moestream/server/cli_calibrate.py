@@ -118,14 +118,19 @@ def run_calibrate(args: argparse.Namespace) -> int:
         kw["model"] = args.model_dir
     if kw.get("expert_mode", "exact") != "exact":
         raise ValueError("calibrate runs exact; drop --expert-mode")
+    if kw.get("expert_budget", 1.0) != 1.0 or kw.get("record_routing"):
+        raise ValueError("calibrate runs every expert on every token: run it with every expert resident (drop "
+                         "--expert-budget) and without --record-routing")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ValueError(f"--output {args.output}: its directory does not exist")
     kw.setdefault("max_model_len", args.seq_len + 1)
     kw["enable_prefix_caching"] = False
     llm = LLM(**kw)
     output = args.output or FoldProjectors.path_for(str(llm.llm_engine.config.model))
-    if not os.path.isdir(os.path.dirname(os.path.abspath(output))):
-        raise ValueError(f"--output {output}: its directory does not exist")
     pieces, digest = calibration_pieces(llm.get_tokenizer(), args.text, args.num_seqs, args.seq_len, args.seed)
     layers = calibrate(llm, pieces)
+    if not layers:
+        raise ValueError("the model has no routed-expert layers: nothing to calibrate")
     proj = FoldProjectors({l: a for l, (a, _) in layers.items()}, {l: x for l, (_, x) in layers.items()},
                           {"num_experts": str(len(next(iter(layers.values()))[0])),
                            "tokens": str(sum(map(len, pieces))), "seed": str(args.seed), "text_sha256": digest})
