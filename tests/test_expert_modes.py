@@ -75,12 +75,6 @@ def test_resident_fold_never_drops_a_top1_or_a_heavy_expert() -> None:
     assert mode.stats()["misses_avoided"] == 3  # experts 2, 4 and 1
 
 
-@pytest.mark.parametrize("threshold", [0.0, 1.5])
-def test_a_bad_threshold_is_refused(threshold: float) -> None:
-    with pytest.raises(ValueError, match="resident_fold_threshold must be in"):
-        LLM("demo", dtype="float32", expert_mode="resident-fold", resident_fold_threshold=threshold)
-
-
 def _run(llm: LLM, modes: list[str | None]) -> list[tuple[list[int], LogitsRecorder]]:
     recs = [LogitsRecorder() for _ in PROMPTS]
     params = [greedy_params(r, NEW_TOKENS) for r in recs]
@@ -372,6 +366,8 @@ def test_exfold_needs_projectors_of_this_model(tmp_path, demo_projectors) -> Non
 
 
 @pytest.mark.parametrize("kw, message", [
+    (dict(expert_mode="resident-fold", resident_fold_threshold=0.0), r"resident_fold_threshold must be in \(0, 1\]"),
+    (dict(expert_mode="resident-fold", resident_fold_threshold=1.5), r"resident_fold_threshold must be in \(0, 1\]"),
     (dict(expert_mode="eat", eat_threshold=0.0), "eat_threshold must be a number above 0"),
     (dict(expert_mode="eat", eat_decay=1.0), r"eat_decay must be in \[0, 1\)"),
     (dict(expert_mode="exfold", exfold_pool_size=0), "exfold_pool_size must be a positive integer"),

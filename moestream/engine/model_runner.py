@@ -230,10 +230,12 @@ class ModelRunner:
         mode = self.expert_mode
         if mode is not None:  # the rows of requests in the engine's approximate mode (not opted out with "exact")
             rows = [(r.sampling_params.expert_mode or mode.name) != "exact" for r, n in scheduled for _ in range(n)]
-            # prompt rows: the prompt, and output tokens recomputed after a preemption (their successor is known)
-            prompt = [r.num_computed_tokens + i < max(r.num_prompt_tokens, len(r.token_ids) - 1)
-                      for r, n in scheduled for i in range(n)] if any(rows) else None
-            mode.begin_step(np.array(rows) if any(rows) else None, None if prompt is None else np.array(prompt))
+            if any(rows):  # prompt rows: the prompt, and outputs recomputed after a preemption (successor known)
+                prompt = [r.num_computed_tokens + i < max(r.num_prompt_tokens, len(r.token_ids) - 1)
+                          for r, n in scheduled for i in range(n)]
+                mode.begin_step(np.array(rows), np.array(prompt))
+            else:
+                mode.begin_step(None)
         try:
             hidden = self.model(ids, pos, self.kv_caches, meta, state_caches, state_meta,
                                 inputs_embeds=self._inputs_embeds(ids, spans))  # [T, H]
