@@ -86,6 +86,7 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        cartridges: Sequence[str | dict] | None = None,
     ) -> list[str]:
         """Validate every prompt and params, then queue them all; nothing is queued on error."""
         if isinstance(prompts, (str, dict)) or (
@@ -95,6 +96,9 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r:.80}")
         prompts = list(prompts)
+        if cartridges is not None:  # every prompt starts after them
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p} if isinstance(p, str) else
+                           {"prompt_token_ids": p}), "cartridges": cartridges} for p in prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -114,6 +118,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        cartridges: Sequence[str | dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in order.
 
@@ -124,11 +129,15 @@ class LLM:
         one `<|image_pad|>` / `<|video_pad|>` placeholder per item in the prompt, as the chat
         template writes;
         `sampling_params` is one object for all prompts or a list with one per prompt.
+        `cartridges`: KV cartridges every prompt starts after, composed in order (docs/cartridges.md):
+        each a path to a `.safetensors` cartridge, an id in `cartridge_dir`, or Tokasaurus's
+        {"id": ..., "source": "local"} (or {"path": ...}). A dict prompt may carry its own
+        "cartridges" instead.
 
         Raises:
-            ValueError: a bad prompt or parameter; nothing is queued then.
+            ValueError: a bad prompt, parameter or cartridge; nothing is queued then.
         """
-        ids = self._add(prompts, sampling_params)
+        ids = self._add(prompts, sampling_params, cartridges)
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm) as bar:
             for out in self._run(ids):
@@ -141,10 +150,11 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cartridges: Sequence[str | dict] | None = None,
     ) -> Iterator[RequestOutput]:
         """Like `generate`, but yields each request's cumulative output every time it grows.
         Closing the iterator early aborts its unfinished requests and frees their blocks."""
-        yield from self._run(self._add(prompts, sampling_params))
+        yield from self._run(self._add(prompts, sampling_params, cartridges))
 
     def _run(self, ids: list[str]) -> Iterator[RequestOutput]:
         """Step until the requests `ids` finish, yielding their outputs; on exit (done, closed

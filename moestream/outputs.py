@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moestream.sampling_params import Logprob
+
+if TYPE_CHECKING:
+    from moestream.engine.cartridge_cache import CartridgeRoute
 
 
 @dataclass
@@ -67,3 +71,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cartridges: CartridgeRoute | None = None  # the cartridges it named: ids, routing, attached

@@ -243,6 +243,14 @@ class EngineConfig:
     state_checkpoint_host_bytes: int = option(1 << 30, "prefix caching: bytes of host memory for state checkpoints "
                                                        "moved off the device (0 drops them instead)",
                                               group=_HYBRID, parse=int)
+    cartridge_dir: str | None = option(None, "directory where cartridge ids resolve (`<dir>/<id>.safetensors`, "
+                                             "made by `moestream cartridge build`); requests name them in their "
+                                             "`cartridges` field", group="cartridges", metavar="DIR",
+                                       default_help="none: requests give paths (offline) only")
+    cartridge_routing: str = option("always", "default of a request's cartridge_routing: always = attach the "
+                                              "cartridges it names; auto = the cartridge's router attaches them only "
+                                              "to a request about its document (docs/cartridges.md)",
+                                    group="cartridges", choices=("always", "auto"))
     limit_mm_per_prompt: dict | None = option(None, "most items per prompt by modality, e.g. "
                                                     '\'{"image": 4, "video": 1}\'', group=_MM,
                                               parse=parse_json_object, metavar="JSON",
@@ -332,6 +340,11 @@ class EngineConfig:
                                                 for k, v in lim.items()):
                 raise ValueError(f"limit_mm_per_prompt must map 'image' and/or 'video' to non-negative integers, "
                                  f"e.g. {{\"image\": 4, \"video\": 1}}; got {lim!r}")
+        if self.cartridge_routing not in ("always", "auto"):
+            raise ValueError(f"cartridge_routing must be always or auto, got {self.cartridge_routing!r}")
+        if self.cartridge_dir is not None and not os.path.isdir(self.cartridge_dir):
+            raise ValueError(f"cartridge_dir '{self.cartridge_dir}' is not a directory; create it or point "
+                             "--cartridge-dir at the directory holding the cartridges")
         if not is_int(self.max_image_pixels) or self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be a positive integer, got {self.max_image_pixels!r}")
         if not isinstance(self.enable_elastic_memory, bool):

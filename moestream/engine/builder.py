@@ -16,6 +16,8 @@ from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
 from moestream.engine.input_processor import InputProcessor
 from moestream.kernels.fused_moe import ACT_CODES
 from moestream.engine.kv_cache import KVCacheManager, kv_block_bytes, kv_cache_groups, num_kv_blocks
+from moestream.cartridges.format import model_fingerprint
+from moestream.engine.cartridge_cache import CartridgeCache, CartridgeSpec
 from moestream.engine.kv_cache_coordinator import KVCacheCoordinator
 from moestream.engine.model_runner import ModelRunner
 from moestream.engine.output_processor import OutputProcessor
@@ -97,6 +99,26 @@ class EngineParts:
     kv_cache_mha_bytes_per_token: int | None
 
 
+def _make_cartridge_cache(config: EngineConfig, mcfg: ModelConfig, kv_cache: KVCacheManager, num_groups: int,
+                          state_pool: StatePool | None, dtype: torch.dtype, sc: object) -> CartridgeCache:
+    """The engine's `CartridgeCache`, or one that refuses every cartridge with the reason the
+    model or configuration cannot serve them (`unsupported`)."""
+    reason = None
+    if num_groups > 1 or kv_cache.window is not None:
+        reason = "a model with sliding-window attention layers (gpt-oss)"
+    elif sc is not None and sc.method == "mtp":
+        reason = "speculative method mtp (its layer has no cartridge entries)"
+    elif not mcfg.attention_layers:
+        reason = "a model without attention layers"
+    states = () if state_pool is None else tuple((tuple(t.shape), t.dtype) for t in state_pool.read_row(0))
+    spec = CartridgeSpec(model_fingerprint(config.model), len(mcfg.attention_layers), mcfg.kv_cache_dims, states)
+    cache = CartridgeCache(spec, kv_cache.pool, config.block_size, config.enable_prefix_caching, config.cartridge_dir,
+                           dtype)
+    cache.unsupported = reason
+    cache.default_routing = config.cartridge_routing
+    return cache
+
+
 def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:
     """The dtype `dtype="auto"` computes in: the checkpoint's, except bfloat16 / float16 on a
     CPU without native bf16 matrix instructions (`cpu_has_native_bf16`, e.g. AVX2 only),
@@ -147,7 +169,6 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if mcfg.multimodal is not None:
         mm_processor = MultiModalProcessor(config.model, mcfg.multimodal, config.limit_mm_per_prompt,
                                            config.max_image_pixels)
-    input_processor = InputProcessor(tokenizer, mcfg.vocab_size, max_model_len, mm_processor)
 
     # experts and weights
     sc = config.speculative_config
@@ -235,12 +256,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
     checkpoints = None
     if state_pool is not None and config.enable_prefix_caching:
         checkpoints = StateCheckpointPool(state_pool, config.state_checkpoint_host_bytes)
+    cartridges = _make_cartridge_cache(config, mcfg, kv_cache, len(groups), state_pool, dtype, sc)
     coordinator = KVCacheCoordinator(kv_cache, state_pool, checkpoints, config.state_checkpoint_interval, elastic,
-                                     other_groups)
+                                     other_groups, cartridges)
+    input_processor = InputProcessor(tokenizer, mcfg.vocab_size, max_model_len, mm_processor, cartridges)
     scheduler = Scheduler(coordinator, config.max_num_seqs, config.max_num_batched_tokens)
     runner = ModelRunner(model, num_blocks, bs, dtype, device, state_pool, recorder, mtp, vision,
                          elastic.kv_caches() if elastic is not None else None, layer_tensor)
     runner.expert_mode = expert_mode
+    cartridges.kv_caches = runner.kv_caches
     eos = set(mcfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

@@ -16,6 +16,7 @@ from moestream.validation import is_int
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from moestream.engine.cartridge_cache import CartridgeCache, CartridgePrefix, CartridgeRoute
     from moestream.multimodal.inputs import MultiModalInputs
     from moestream.multimodal.processor import MultiModalProcessor
 
@@ -45,11 +46,13 @@ class InputProcessor:
             output together stop there (`check_max_tokens`).
         mm_processor: a multimodal checkpoint's image processor (None: prompts with
             `multi_modal_data` are refused).
+        cartridges: the engine's cartridge cache (None: prompts with `cartridges` are refused).
     """
 
     def __init__(self, tokenizer: "PreTrainedTokenizerBase", vocab_size: int, max_model_len: int,
-                 mm_processor: "MultiModalProcessor | None" = None) -> None:
+                 mm_processor: "MultiModalProcessor | None" = None, cartridges: "CartridgeCache | None" = None) -> None:
         self.tokenizer = tokenizer
+        self.cartridges = cartridges
         self.mm_processor = mm_processor
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -109,21 +112,27 @@ class InputProcessor:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def process(self, prompt: PromptType, add_special_tokens: bool = True
-                ) -> tuple[str | None, list[int], "MultiModalInputs | None"]:
-        """(prompt text or None, token ids, multimodal inputs or None) of a prompt: a str is
+                ) -> tuple[str | None, list[int], "MultiModalInputs | None", "CartridgePrefix | None",
+                           "CartridgeRoute | None"]:
+        """(prompt text or None, token ids, multimodal inputs or None, cartridges attached or None,
+        the cartridges' routing decision or None) of a prompt: a str is
         tokenized (with special tokens unless `add_special_tokens=False`, as for chat
         prompts whose template writes them); {"prompt_token_ids": [...]} or a list of ints
         is taken as is; {"prompt": str} is tokenized. A dict may carry vLLM's
         `multi_modal_data` ({"image": PIL image or list, "video": frames or list}): each
         placeholder is expanded to the item's tokens (`MultiModalProcessor.process`). Length is checked
         before anything else, so an over-long input costs no tokenization and no scan of
-        its ids; a multimodal prompt is checked again once expanded.
+        its ids; a multimodal prompt is checked again once expanded. A dict's `cartridges`
+        (a list of cartridge ids, paths or {"id", "source", "path"}) are composed
+        (`CartridgeCache.compose`), and their positions count toward max_model_len; its
+        `cartridge_routing` ("always" or "auto", default the engine's) says whether the
+        router decides to attach them (`CartridgeCache.route`).
 
         Raises:
             ValueError: an empty prompt, a token id outside the vocabulary, a prompt that
                 leaves no room for output under max_model_len, an unknown prompt type, or
                 images that are refused (see `MultiModalProcessor.process`; also when the
-                model takes no images).
+                model takes no images), or cartridges that are refused (`CartridgeError`).
         """
         encode = False
         if isinstance(prompt, str):
@@ -160,4 +169,16 @@ class InputProcessor:
             ids, mm = self.mm_processor.process(ids, prompt["multi_modal_data"], self.tokenizer)
             if mm is not None:
                 self._check_length(len(ids), f"{len(ids)} tokens with its images")
-        return text, ids, mm
+        cartridge, route = None, None
+        if isinstance(prompt, dict) and prompt.get("cartridges") is not None:
+            if mm is not None:
+                raise ValueError("cartridges with images are not supported yet; send text with cartridges")
+            if self.cartridges is None:
+                raise ValueError("this engine serves no cartridges")
+            cartridge = self.cartridges.compose(prompt["cartridges"])
+            route = self.cartridges.route(cartridge, ids, prompt.get("cartridge_routing"))
+            cartridge = cartridge if route.attached else None
+            if cartridge is not None:
+                self._check_length(cartridge.num_tokens + len(ids),
+                                   f"{len(ids)} tokens after {cartridge.num_tokens} cartridge positions")
+        return text, ids, mm, cartridge, route

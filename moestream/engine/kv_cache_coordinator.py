@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from moestream.engine.elastic_memory import ElasticMemory  # noqa: TC001
 from moestream.engine.block_pool import PrefixCacheStats
+from moestream.engine.cartridge_cache import CartridgeCache
 from moestream.engine.kv_cache import KVCacheManager
 from moestream.engine.request import Request
 from moestream.engine.state_checkpoints import StateCheckpointPool
@@ -56,7 +57,8 @@ class PrefixHit:
 
     Attributes:
         blocks: KV block ids to take, in order (`num_tokens / block_size` of them).
-        num_tokens: tokens not computed (a multiple of the block size).
+        num_tokens: tokens not computed (a multiple of the block size, or a request's
+            cartridge positions P: `blocks` are then the cartridges' full blocks).
         checkpoint: hybrid models: the block hash of the state checkpoint to restore, or None.
         branch_point: tokens whose KV blocks are cached (>= num_tokens); on a hybrid model
             the ones past `num_tokens` are recomputed and a checkpoint is captured here.
@@ -98,6 +100,7 @@ class KVCacheCoordinator:
         state_checkpoint_interval: tokens between checkpoints in a prompt (a multiple of
             the block size when there is a state pool; unused otherwise).
         elastic: the page pool shared with the expert store (`ElasticMemory`), or None.
+        cartridges: the engine's `CartridgeCache` (requests that start after cartridges), or None.
 
     Raises:
         ValueError: an interval that is not positive, or (with a state pool) not a multiple
@@ -112,6 +115,7 @@ class KVCacheCoordinator:
         state_checkpoint_interval: int = 512,
         elastic: ElasticMemory | None = None,
         groups: Sequence[KVCacheManager] = (),
+        cartridges: CartridgeCache | None = None,
     ) -> None:
         if state_checkpoint_interval < 1 or (state_pool is not None and state_checkpoint_interval % kv.block_size):
             raise ValueError(f"state_checkpoint_interval must be a positive multiple of block_size {kv.block_size}, "
@@ -124,9 +128,11 @@ class KVCacheCoordinator:
         self.checkpoints = checkpoints
         self.interval = state_checkpoint_interval
         self.elastic = elastic
+        self.cartridges = cartridges
         if checkpoints is not None:
             kv.on_evict = checkpoints.drop  # a checkpoint goes with the block it ends on
         self._restore: dict[str, bytes] = {}  # request id -> checkpoint to restore at its first forward
+        self._restore_host: dict[str, tuple] = {}  # request id -> a cartridge's state to restore (host tensors)
         self._branch: dict[str, int] = {}  # request id -> branch point to capture
         self._output_ckpt: dict[str, bytes] = {}  # request id -> its latest decode checkpoint
         self._pending: list[tuple[Request, bytes, int, int, bool]] = []  # (request, key, tokens, row, decode)
@@ -147,9 +153,30 @@ class KVCacheCoordinator:
 
     # ---- admission ------------------------------------------------------------------
 
-    def find_prefix(self, req: Request) -> PrefixHit:
+    def find_prefix(self, req: Request) -> PrefixHit | None:
         """The longest usable cached prefix of a waiting request's tokens (nothing taken);
-        none for a request that asks for prompt logprobs (every position must be computed)."""
+        none for a request that asks for prompt logprobs (every position must be computed).
+        A request with cartridges starts at least after them: their composition is pinned
+        now (`CartridgeCache.pin`), and None means the pool cannot hold it yet (the request
+        waits; `cancel_prefix` if it is not admitted after all)."""
+        if req.cartridge is None:
+            return self._cached_prefix(req)
+        pinned = self.cartridges.pin(req.request_id, req.cartridge)
+        if pinned is None:
+            return None
+        num = req.num_prefix_tokens
+        hit = self._cached_prefix(req)
+        if hit.num_tokens > num:  # cached blocks (and a checkpoint) past the cartridges
+            return hit
+        return PrefixHit(list(pinned), num, None, max(num, hit.branch_point))
+
+    def cancel_prefix(self, req: Request) -> None:
+        """A request `find_prefix` pinned cartridges for was not admitted: unpin them."""
+        if self.cartridges is not None:
+            self.cartridges.unpin(req.request_id)
+
+    def _cached_prefix(self, req: Request) -> PrefixHit:
+        """`find_prefix` from the prefix cache alone."""
         if req.sampling_params.prompt_logprobs is not None:
             return PrefixHit([], 0, None, 0, tuple([] for _ in self.groups[1:]))
         if len(self.groups) > 1 or self.kv.window is not None:
@@ -223,9 +250,17 @@ class KVCacheCoordinator:
 
     def admit(self, req: Request, hit: PrefixHit) -> None:
         """Record an admitted request's hit: it starts at `hit.num_tokens`, its state comes
-        from `hit.checkpoint` at its first forward."""
-        self.kv.record_query(req.num_tokens, hit.num_tokens)
+        from `hit.checkpoint` at its first forward. A request starting right after its
+        cartridges gets their last P mod block_size entries copied into its next block, and
+        on a hybrid model the last cartridge's state."""
+        num = req.num_prefix_tokens
+        self.kv.record_query(req.num_tokens - num, hit.num_tokens - num)
         req.num_computed_tokens = hit.num_tokens
+        if req.cartridge is not None and hit.num_tokens == num:
+            if num % self.block_size:
+                self.cartridges.write_tail(req.cartridge, self.kv.block_table(req.request_id)[num // self.block_size])
+            if self.state_pool is not None:
+                self._restore_host[req.request_id] = req.cartridge.parts[-1].states
         if self.state_pool is not None:
             self.stats.recomputed += hit.branch_point - hit.num_tokens
             if hit.checkpoint is not None:
@@ -234,8 +269,9 @@ class KVCacheCoordinator:
                 self._branch[req.request_id] = hit.branch_point
 
     def free(self, req: Request) -> None:
-        """Give back `req`'s blocks and state slot (finished, aborted or preempted). On a
-        hybrid model, its blocks after its last checkpoint are evicted first."""
+        """Give back `req`'s blocks and state slot (finished, aborted or preempted), and its
+        pin on its cartridges. On a hybrid model, its blocks after its last checkpoint are
+        evicted first."""
         rid = req.request_id
         useful = None
         if self.checkpoints is not None:
@@ -249,8 +285,11 @@ class KVCacheCoordinator:
         if self.state_pool is not None:
             self.state_pool.free(rid)
         self._restore.pop(rid, None)
+        self._restore_host.pop(rid, None)
         self._branch.pop(rid, None)
         self._output_ckpt.pop(rid, None)
+        if self.cartridges is not None:
+            self.cartridges.unpin(rid)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -266,12 +305,16 @@ class KVCacheCoordinator:
         if self.state_pool is None:
             return None
         ids = [r.request_id for r, _ in scheduled]
-        fresh = [r.num_computed_tokens == 0 or r.request_id in self._restore for r, _ in scheduled]
+        fresh = [r.num_computed_tokens == 0 or r.request_id in self._restore or r.request_id in self._restore_host
+                 for r, _ in scheduled]
         slots = self.state_pool.prepare(ids, fresh)
         for rid in ids:
             key = self._restore.pop(rid, None)
             if key is not None:
                 self.checkpoints.restore(key, rid)
+            host = self._restore_host.pop(rid, None)
+            if host is not None:
+                self.state_pool.restore(rid, host=list(host))
         captures = [self._plan_captures(r, n, n - len(r.spec_token_ids)) for r, n in scheduled]
         for (req, n), slot, caps in zip(scheduled, slots, captures):
             if req.spec_token_ids:  # the state after each position but the last: its rollback points

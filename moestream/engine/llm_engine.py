@@ -87,9 +87,9 @@ class LLMEngine:
                 request_id = str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in flight; give each request a unique id")
+        grammar = self.grammar_backend.matcher(params.structured_outputs, p.prompt_token_ids)
         req = Request(request_id, p.prompt, p.prompt_token_ids, params, generator=make_generator(params.seed, self.device),
-                      mm_inputs=p.mm_inputs, grammar=self.grammar_backend.matcher(params.structured_outputs,
-                                                                                  p.prompt_token_ids),
+                      mm_inputs=p.mm_inputs, cartridge=p.cartridge, cartridge_route=p.cartridge_route, grammar=grammar,
                       cache_salt=cache_salt(params.expert_mode, self.expert_mode))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, p.prompt_token_ids, params.skip_special_tokens)
         self.requests[request_id] = req

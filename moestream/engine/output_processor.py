@@ -96,10 +96,11 @@ class OutputProcessor:
 
     def add_prompt_logprobs(self, chunks: list[PromptLogprobsChunk]) -> None:
         """Store a step's prompt logprobs on their requests (token texts decoded). Positions a
-        request already holds (computed again after a preemption) are kept as they are."""
+        request already holds (computed again after a preemption) are kept as they are. With
+        cartridges, prompt position 0 follows them and has no logprob either."""
         for c in chunks:
             req = c.request
-            for pos, lps in enumerate(c.entries, c.first):
+            for pos, lps in enumerate(c.entries, c.first - req.num_prefix_tokens):
                 if pos == len(req.prompt_logprobs):
                     req.prompt_logprobs.append(self.logprob_entry(lps))
 
@@ -123,8 +124,9 @@ class OutputProcessor:
         )
         metrics = RequestMetrics(
             req.arrival_time, req.first_token_time, req.last_token_time, req.finished_time,
-            req.num_prompt_tokens, req.num_output_tokens, req.num_preemptions,
+            len(req.prompt_token_ids), req.num_output_tokens, req.num_preemptions,
         )
         return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], finished, metrics,
                              req.num_cached_tokens or 0,
-                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+                             req.cartridge_route)

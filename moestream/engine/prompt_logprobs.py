@@ -75,7 +75,7 @@ def compute_prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torc
         for lo in range(0, count, PROMPT_LOGPROBS_CHUNK):
             hi = min(lo + PROMPT_LOGPROBS_CHUNK, count)
             lp = compute_logits(hidden[row + lo: row + hi]).float().log_softmax(dim=-1)  # [r, V]
-            targets = torch.tensor(req.prompt_token_ids[first + lo: first + hi], dtype=torch.int64, device=lp.device)
+            targets = torch.tensor(req.token_ids[first + lo: first + hi], dtype=torch.int64, device=lp.device)
             chosen = lp.gather(1, targets[:, None])  # [r, 1]
             ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
             top_v, top_i = lp.topk(min(k, lp.shape[1]), dim=1) if k else (lp[:, :0], lp[:, :0].long())

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 import torch
 
+from moestream.engine.cartridge_cache import PLACEHOLDER_TOKEN, CartridgePrefix, CartridgeRoute
 from moestream.engine.detokenizer import IncrementalDetokenizer
 from moestream.multimodal.inputs import MultiModalInputs
 from moestream.sampling_params import SamplingParams
@@ -36,11 +37,14 @@ class RequestStatus(enum.Enum):
 class ProcessedPrompt:
     """A prompt validated and tokenized once (`InputProcessor.process`), on any path
     (offline, server, Ray): its text (None for token ids), its token ids (multimodal
-    placeholders expanded) and its multimodal inputs (None for text only)."""
+    placeholders expanded), its multimodal inputs (None for text only) and the cartridges it
+    starts after (None for none) with the routing decision of the cartridges it named."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     mm_inputs: MultiModalInputs | None = None
+    cartridge: CartridgePrefix | None = None
+    cartridge_route: CartridgeRoute | None = None
 
 
 @dataclass(eq=False)
@@ -48,7 +52,9 @@ class Request:
     """A generation request.
 
     Attributes:
-        token_ids: prompt ids followed by output ids.
+        token_ids: prompt ids followed by output ids; with cartridges, P placeholder ids
+            (`PLACEHOLDER_TOKEN`, never computed) first, so that token i sits at position i.
+        cartridge: the cartridges it starts after (P = `num_prefix_tokens` positions), or None.
         num_computed_tokens: tokens whose KV is in the cache.
         generator: the request's own sampler generator when it has a seed, else None.
         spec_token_ids: speculative decoding: draft tokens proposed after its last token,
@@ -90,10 +96,12 @@ class Request:
     mm_inputs: MultiModalInputs | None = None  # a prompt with images
     mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
     cache_salt: bytes = b""  # vLLM's cache_salt: requests with different salts share no prefix blocks
+    cartridge: CartridgePrefix | None = None
+    cartridge_route: CartridgeRoute | None = None  # what became of the cartridges it named
 
     def __post_init__(self) -> None:
         if not self.token_ids:
-            self.token_ids = list(self.prompt_token_ids)
+            self.token_ids = [PLACEHOLDER_TOKEN] * self.num_prefix_tokens + list(self.prompt_token_ids)
         if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
 
@@ -101,13 +109,22 @@ class Request:
     def mm_hash_spans(self) -> tuple[tuple[int, int, bytes], ...]:
         """(first token, end token, hash): extra keys of the block hashes, each image's content
         hash over its tokens and the `cache_salt` over the first token (so that blocks computed
-        in an approximate expert mode never serve an exact request, nor the other way)."""
+        in an approximate expert mode never serve an exact request, nor the other way); with
+        cartridges, each one's file digest over its first position."""
         spans = self.mm_inputs.hash_spans if self.mm_inputs is not None else ()
+        if self.cartridge is not None:
+            spans = (*self.cartridge.hash_spans, *spans)
         return ((0, 1, self.cache_salt), *spans) if self.cache_salt else spans
 
     @property
+    def num_prefix_tokens(self) -> int:
+        """P: the cartridge positions before the prompt (0 without cartridges)."""
+        return self.cartridge.num_tokens if self.cartridge is not None else 0
+
+    @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        """The prompt's positions, cartridge positions included (`len(prompt_token_ids)` + P)."""
+        return self.num_prefix_tokens + len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

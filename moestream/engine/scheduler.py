@@ -93,14 +93,15 @@ class Scheduler:
                     continue
                 break
             elif admitting and not out.preempted and req is self.waiting[0]:
-                hit = self.coordinator.find_prefix(req)
-                n = min(req.num_tokens - hit.num_tokens, budget)
-                if not self.coordinator.allocate_slots(req, hit.num_tokens + n, hit):
+                hit = self.coordinator.find_prefix(req)  # None: its cartridges do not fit yet
+                n = min(req.num_tokens - hit.num_tokens, budget) if hit is not None else 0
+                if hit is None or not self.coordinator.allocate_slots(req, hit.num_tokens + n, hit):
+                    self.coordinator.cancel_prefix(req)
                     admitting = False  # FIFO: nobody behind it is admitted this step
                     continue
                 self.coordinator.admit(req, hit)
-                if req.num_cached_tokens is None:
-                    req.num_cached_tokens = hit.num_tokens
+                if req.num_cached_tokens is None:  # prompt tokens cached beyond its cartridges
+                    req.num_cached_tokens = hit.num_tokens - req.num_prefix_tokens
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)

@@ -209,7 +209,8 @@ class AsyncLLMEngine:
         # Prompts are encoded by one worker thread with its own tokenizer (a fast tokenizer is
         # not safe to share with the engine thread's detokenizers).
         self.input_processor = InputProcessor(copy.deepcopy(engine.tokenizer), engine.model_config.vocab_size,
-                                              engine.max_model_len, engine.mm_processor)
+                                              engine.max_model_len, engine.mm_processor,
+                                              engine.coordinator.cartridges)
         self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="moestream-tokenizer")
         # Grammars compile on their own threads, each waited for at most compile_timeout:
         # a pathological schema never holds up other requests' tokenizing.
@@ -340,9 +341,10 @@ class AsyncLLMEngine:
         seen: dict[int, ProcessedPrompt] = {}  # n choices share one prompt object: processed (images included) once
         for _, prompt, _ in items:
             if id(prompt) not in seen:
-                text, ids, mm = self.input_processor.process(prompt, add_special_tokens)
-                self.input_processor.check_max_tokens(len(ids), requested_max_tokens, strict=True)
-                seen[id(prompt)] = ProcessedPrompt(text, ids, mm)
+                text, ids, mm, cart, route = self.input_processor.process(prompt, add_special_tokens)
+                num_positions = len(ids) + (cart.num_tokens if cart is not None else 0)
+                self.input_processor.check_max_tokens(num_positions, requested_max_tokens, strict=True)
+                seen[id(prompt)] = ProcessedPrompt(text, ids, mm, cart, route)
             out.append(seen[id(prompt)])
         return out
 

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `moestream` argument parser with its generate, serve, eval-loss, calibrate and trace-sim commands."""
+    """The `moestream` argument parser with its generate, serve, eval-loss, calibrate, cartridge and trace-sim commands."""
     from moestream.server.cli_calibrate import add_calibrate_parser
+    from moestream.server.cli_cartridge import add_cartridge_parser
     from moestream.server.cli_eval_loss import add_eval_loss_parser
     from moestream.server.cli_generate import add_generate_parser
 
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per replica (default: 1)")
     add_eval_loss_parser(sub)
     add_calibrate_parser(sub)
+    add_cartridge_parser(sub)
     sim = sub.add_parser("trace-sim", add_help=False,
                          help="replay a routing trace against each eviction policy and Belady's optimum "
                               "(see `moestream trace-sim --help`)")
@@ -142,12 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    if args.command in ("eval-loss", "calibrate"):
+    if args.command in ("eval-loss", "calibrate", "cartridge"):
         from moestream.server.cli_calibrate import run_calibrate
+        from moestream.server.cli_cartridge import run_cartridge
         from moestream.server.cli_eval_loss import run_eval_loss
 
+        run = {"eval-loss": run_eval_loss, "calibrate": run_calibrate, "cartridge": run_cartridge}[args.command]
         try:
-            return (run_eval_loss if args.command == "eval-loss" else run_calibrate)(args)
+            return run(args)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

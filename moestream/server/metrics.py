@@ -148,6 +148,9 @@ class ServerMetrics:
                                 "(stop, length, abort).", ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("moestream:prompt_tokens", "Prompt tokens of requests that were prefilled.",
                                      registry=r)
+        self.cartridge_requests = Counter("moestream:cartridge_requests", "Finished engine requests that named "
+                                          "cartridges, by routing (always, auto) and decision (attached, skipped).",
+                                          ["routing", "decision"], registry=r)
         self.generation_tokens = Counter("moestream:generation_tokens", "Tokens generated.", registry=r)
         self.http = Counter("moestream:http_requests", "HTTP responses, by route and status code.",
                             ["path", "status"], registry=r)
@@ -180,6 +183,9 @@ class ServerMetrics:
                 self.itl.observe(m.last_token_time - previous.metrics.last_token_time)
         if output.finished:
             self.requests.labels(output.outputs[0].finish_reason or "abort").inc()
+            route = output.cartridges
+            if route is not None:
+                self.cartridge_requests.labels(route.routing, "attached" if route.attached else "skipped").inc()
             if m.tpot is not None:
                 self.tpot.observe(m.tpot)
             if m.finished_time is not None:

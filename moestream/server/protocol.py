@@ -84,6 +84,19 @@ class StructuredOutputsField(_Request):
     whitespace_pattern: str | None = None
 
 
+class CartridgeRef(BaseModel):
+    """One cartridge of a request's `cartridges` (Tokasaurus's shape): `id` (a file in the
+    server's --cartridge-dir), `source` ("local" only), or moestream's `path` (a file inside
+    --cartridge-dir); `force_redownload` re-reads the file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, max_length=255)
+    source: Literal["local"] = "local"
+    path: str | None = Field(None, max_length=4096)
+    force_redownload: bool = False
+
+
 class SamplingRequest(_Request):
     """Fields common to completions and chat completions. A constraint comes from one of
     `response_format` (json_object, json_schema), vLLM's `structured_outputs`, or its older
@@ -120,6 +133,9 @@ class SamplingRequest(_Request):
     guided_whitespace_pattern: str | None = None
     # moestream's: "exact" opts out of the server's approximate expert mode (docs/expert_modes.md)
     expert_mode: str | None = None
+    # KV cartridges the prompt starts after (Tokasaurus's field; docs/cartridges.md), and whether to route them
+    cartridges: list[CartridgeRef | str] | None = Field(None, min_length=1, max_length=16)
+    cartridge_routing: Literal["always", "auto"] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -417,6 +433,19 @@ class DetokenizeRequest(_Request):
 # ---- responses ------------------------------------------------------------------------
 
 
+class CartridgeUsage(BaseModel):
+    """moestream's `usage.cartridges`: the cartridges a request named, how they were routed
+    ("always" or "auto"), whether they were attached, the router's relevance and threshold
+    (nats per token; auto only), and their positions."""
+
+    ids: list[str]
+    routing: str
+    attached: bool
+    relevance: float | None = None
+    threshold: float | None = None
+    positions: int = 0
+
+
 class PromptTokensDetails(BaseModel):
     """OpenAI's `usage.prompt_tokens_details`: `cached_tokens` = prompt tokens found in the
     prefix cache (not computed)."""
@@ -431,6 +460,7 @@ class UsageInfo(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    cartridges: list[CartridgeUsage | None] | None = None  # moestream's: per prompt, with cartridges only
 
 
 class CompletionLogProbs(BaseModel):

@@ -19,7 +19,8 @@ from moestream.threads import resolve_threads
 from moestream.sampling_params import Logprob, SamplingParams
 from moestream.server.async_engine import AsyncLLMEngine, EngineError, RequestStream
 from moestream.server.tool_parsers import check_tool_parser
-from moestream.server.protocol import PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, UsageInfo
+from moestream.server.protocol import (CartridgeUsage, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                       SamplingRequest, UsageInfo)
 
 
 @dataclass(frozen=True)
@@ -135,17 +136,48 @@ def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, n: int
 
 def usage(outputs: dict[str, RequestOutput], prompt_of: dict[str, int]) -> UsageInfo:
     """Usage over the outputs: each distinct prompt counted once (its cached tokens: the most
-    any of its choices found in the prefix cache), every choice's tokens."""
+    any of its choices found in the prefix cache), every choice's tokens; with cartridges,
+    `cartridges`: per prompt, their routing decision (None for a prompt without)."""
     prompt_tokens: dict[int, int] = {}
     cached: dict[int, int] = {}
+    routes: dict[int, CartridgeUsage] = {}
     completion = 0
     for rid, out in outputs.items():
         prompt_tokens[prompt_of[rid]] = len(out.prompt_token_ids)
         cached[prompt_of[rid]] = max(cached.get(prompt_of[rid], 0), out.num_cached_tokens)
         completion += len(out.outputs[0].token_ids)
+        if out.cartridges is not None:
+            routes[prompt_of[rid]] = CartridgeUsage(**out.cartridges.as_dict())
     p = sum(prompt_tokens.values())
     return UsageInfo(prompt_tokens=p, completion_tokens=completion, total_tokens=p + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached.values())),
+                     cartridges=[routes.get(i) for i in sorted(prompt_tokens)] if routes else None)
+
+
+def cartridge_prompt(prompt: PromptType, req: SamplingRequest, cartridge_dir: str | None) -> PromptType:
+    """`prompt` with the request's `cartridges` and `cartridge_routing` (a dict prompt), or
+    as is without cartridges. Over HTTP a bare string is an id, and a `path` must lie in the
+    server's cartridge directory.
+
+    Raises:
+        APIError: 400 for a path outside --cartridge-dir (or without one).
+    """
+    if req.cartridges is None:
+        return prompt
+    refs = []
+    for c in req.cartridges:
+        ref = {"id": c} if isinstance(c, str) else c.model_dump(exclude_none=True)
+        path = ref.get("path")
+        if path is not None:
+            root = os.path.realpath(cartridge_dir) if cartridge_dir is not None else None
+            if root is None or not os.path.realpath(os.path.join(root, path)).startswith(root + os.sep):
+                raise APIError(400, f"cartridge path {path!r} is not inside the server's cartridge directory "
+                                    "(--cartridge-dir); name cartridges by id", param="cartridges")
+            ref["path"] = os.path.realpath(os.path.join(root, path))
+        refs.append(ref)
+    base = prompt if isinstance(prompt, dict) else {"prompt": prompt} if isinstance(prompt, str) else {
+        "prompt_token_ids": list(prompt)}
+    return {**base, "cartridges": refs, "cartridge_routing": req.cartridge_routing}
 
 
 def sse(payload: BaseModel | str) -> str:

@@ -38,6 +38,7 @@ from moestream.server.serving import (
     APIError,
     OpenAIServing,
     ServerConfig,
+    cartridge_prompt,
     prompt_logprobs_json,
     sse,
     top_logprobs,
@@ -216,6 +217,7 @@ class OpenAIServingChat(OpenAIServing):
         if image_parts:  # URLs may be fetched (when allowed): off the event loop
             images = await self.load_images(image_parts)
             prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+        prompt = cartridge_prompt(prompt, req, self.engine.engine.config.cartridge_dir)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = [self._tool_params(req, self.sampling_params(req, max_tokens, logprobs, i)) for i in range(req.n)]

@@ -19,7 +19,7 @@ from moestream.server.protocol import (
     UsageInfo,
     random_id,
 )
-from moestream.server.serving import OpenAIServing, prompt_logprobs_json, sse, top_logprobs, usage
+from moestream.server.serving import OpenAIServing, cartridge_prompt, prompt_logprobs_json, sse, top_logprobs, usage
 
 # What OpenAI's JSON shows for a -inf logprob (vLLM's value): JSON has no infinity.
 MIN_LOGPROB = -9999.0
@@ -108,7 +108,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
         max_tokens = 1 if req.echo_without_generation else req.max_tokens
         params = [self.sampling_params(req, max_tokens, req.logprobs, i, prompt_logprobs) for i in range(req.n)]
-        prompts = _prompts(req.prompt)
+        cdir = self.engine.engine.config.cartridge_dir
+        prompts = [cartridge_prompt(p, req, cdir) for p in _prompts(req.prompt)]
         base = random_id("cmpl")
         items = [(f"{base}-{p * req.n + i}", prompt, params[i]) for p, prompt in enumerate(prompts)
                  for i in range(req.n)]
