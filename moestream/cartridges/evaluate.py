@@ -16,9 +16,10 @@ from moestream.sampling_params import SamplingParams
 
 
 def text_loss(llm: LLM, texts: Sequence[Sequence[int]], prefix: Sequence[int] = (),
-              cartridges: Sequence[str | dict] | None = None) -> float:
+              cartridges: Sequence[str | dict] | None = None, routing: str | None = None) -> float:
     """Mean negative log-likelihood (nats per token) of `texts`' tokens after the first, each
-    text after `prefix` token ids and/or `cartridges`.
+    text after `prefix` token ids and/or `cartridges` (routed per text with `routing`
+    "auto", attached to every text with "always", by default the engine's).
 
     Raises:
         ValueError: no text of two or more tokens, or a prompt the engine refuses.
@@ -26,7 +27,8 @@ def text_loss(llm: LLM, texts: Sequence[Sequence[int]], prefix: Sequence[int] = 
     texts = [list(t) for t in texts if len(t) >= 2]
     if not texts:
         raise ValueError("text_loss needs texts of at least 2 tokens")
-    prompts = [{"prompt_token_ids": list(prefix) + t} for t in texts]
+    prompts = [{"prompt_token_ids": list(prefix) + t, **({"cartridge_routing": routing} if routing else {})}
+               for t in texts]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
                         cartridges=cartridges)
     total, count = 0.0, 0

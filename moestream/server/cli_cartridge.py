@@ -23,7 +23,7 @@ def add_cartridge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
     """Add the `cartridge` command (`cartridge build`) to the subcommands `sub`; returns its parser."""
     p = sub.add_parser("cartridge", help="build KV cartridges of documents (see `moestream cartridge build --help`)",
                        description="KV cartridges: precomputed or trained KV prefixes that requests start after.")
-    actions = p.add_subparsers(dest="cartridge_command", metavar="ACTION", required=True)
+    actions = p.add_subparsers(dest="cartridge_command", metavar="ACTION", required=True, help="build: make a cartridge")
     b = actions.add_parser(
         "build", help="build a cartridge of a document",
         description="Build a cartridge of a document for a model and write it as a safetensors file, which "
