@@ -7,7 +7,8 @@ spans of other held-out files. For each p in `--p`:
 - `prefix-p`: the document's first p tokens in context (the truncation baseline, and `train`'s
   initialisation);
 - `knorm`: the p entries of smallest key norm (`moestream cartridge build --method knorm`);
-- `train`: context distillation (`--method train`, `--steps`, 32 texts of 64 tokens), with
+- `train`: context distillation (`--method train` with its defaults: 32 texts of 32 tokens,
+  lr 0.01, `--steps` 60), with
   the router fitted on the demos' training split;
 - `train+auto`: the same with `cartridge_routing` "auto" (the router decides per text).
 `none` has no document, `full` the whole document in context (exactly what a `prefix`
@@ -33,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -48,18 +50,21 @@ SPAN = 64
 
 def _documents(tokenizer, num_docs: int, doc_tokens: int, num_texts: int) -> tuple[list, list[list[int]]]:
     """[(name, document ids, continuation spans)] from held-out files long enough, and the
-    off-document spans (from other held-out files)."""
+    off-document spans (one 64-token span from inside each of the next held-out files, at a
+    seeded position)."""
     from moestream.demo import heldout_files
 
     docs, off = [], []
+    rng = random.Random(0)
     for path in heldout_files():
         with open(path, encoding="utf-8", errors="replace") as f:
             ids = tokenizer.encode(f.read(), add_special_tokens=False)
         if len(docs) < num_docs and len(ids) >= doc_tokens + num_texts * SPAN:
             docs.append((os.path.basename(path), ids[:doc_tokens],
                          [ids[doc_tokens + i * SPAN: doc_tokens + (i + 1) * SPAN] for i in range(num_texts)]))
-        elif len(docs) == num_docs and len(ids) >= 2 * SPAN and len(off) < num_texts * num_docs:
-            off.append(ids[SPAN: 2 * SPAN])
+        elif len(docs) == num_docs and len(ids) >= 4 * SPAN and len(off) < num_texts * num_docs:
+            start = rng.randrange(SPAN, len(ids) - SPAN + 1)  # a span from inside the file
+            off.append(ids[start: start + SPAN])
         if len(docs) == num_docs and len(off) >= num_texts * num_docs:
             break
     return docs, off
@@ -97,9 +102,9 @@ def main() -> int:
     ap.add_argument("--checkpoint", default="demo", help="checkpoint directory or built-in model (default: demo)")
     ap.add_argument("--doc-tokens", type=int, default=192, help="document length in tokens (default: 192)")
     ap.add_argument("--p", type=int, nargs="+", default=[16, 32, 64], help="cartridge sizes (default: 16 32 64)")
-    ap.add_argument("--num-docs", type=int, default=4, help="documents averaged over (default: 4)")
-    ap.add_argument("--num-texts", type=int, default=2, help="64-token texts per document, on and off (default: 2)")
-    ap.add_argument("--steps", type=int, default=100, help="train: optimizer steps (default: 100)")
+    ap.add_argument("--num-docs", type=int, default=8, help="documents averaged over (default: 8)")
+    ap.add_argument("--num-texts", type=int, default=3, help="64-token texts per document, on and off (default: 3)")
+    ap.add_argument("--steps", type=int, default=60, help="train: optimizer steps (default: 60, the builder's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cartridges"), help="output path without suffix")
     args = ap.parse_args()

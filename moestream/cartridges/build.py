@@ -47,7 +47,7 @@ def prefill_document(engine: LLMEngine, token_ids: Sequence[int], after: Sequenc
     prompt: dict = {"prompt_token_ids": list(token_ids)}
     if after:
         prompt["cartridges"] = list(after)
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     req = engine.requests[rid]
     try:
         while req.num_computed_tokens < req.num_prompt_tokens:

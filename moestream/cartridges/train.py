@@ -22,6 +22,7 @@ multi-head latent attention and hybrid models are refused.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 from dataclasses import dataclass
@@ -56,10 +57,10 @@ class TrainConfig:
     """
 
     num_tokens: int = 256
-    steps: int = 200
-    lr: float = 2e-2
+    steps: int = 60
+    lr: float = 1e-2
     num_samples: int = 32
-    sample_len: int = 64
+    sample_len: int = 32
     mix_fraction: float = 0.0
     off_document: tuple[str, ...] = ()
     seed: int = 0
@@ -116,7 +117,9 @@ def _student_logits(model, keys: list[torch.Tensor], values: list[torch.Tensor],
     p = keys[0].shape[1]
     pos = torch.arange(p, p + n)[None].expand(b, -1)
     mask = torch.ones(b, p + n, dtype=torch.long)
-    return model(texts, cache=_hf_cache(model, keys, values, b), position_ids=pos, attention_mask=mask).logits
+    # transformers 5.24 names the argument `cache`, earlier releases `past_key_values`
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(texts, position_ids=pos, attention_mask=mask, **{name: _hf_cache(model, keys, values, b)}).logits
 
 
 def train_cartridge(engine: LLMEngine, doc: list[int], cartridge_id: str, cfg: TrainConfig) -> Cartridge:

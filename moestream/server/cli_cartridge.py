@@ -44,11 +44,11 @@ def add_cartridge_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
                         "that composing them with the new one is exact")
     b.add_argument("--max-doc-tokens", type=int, default=None, metavar="N",
                    help="use the document's first N tokens (default: all)")
-    b.add_argument("--steps", type=int, default=200, help="train: optimizer steps (default: 200)")
-    b.add_argument("--lr", type=float, default=2e-2, help="train: Adam's learning rate (default: 0.02)")
+    b.add_argument("--steps", type=int, default=60, help="train: optimizer steps of 4 texts (default: 60)")
+    b.add_argument("--lr", type=float, default=1e-2, help="train: Adam's learning rate (default: 0.01)")
     b.add_argument("--num-samples", type=int, default=32,
                    help="train: training texts (document spans and the model's own continuations) (default: 32)")
-    b.add_argument("--sample-len", type=int, default=64, help="train: tokens per training text (default: 64)")
+    b.add_argument("--sample-len", type=int, default=32, help="train: tokens per training text (default: 32)")
     b.add_argument("--mix-fraction", type=float, default=0.0,
                    help="train: share of off-document texts (Cartridges++' data mixing) (default: 0)")
     b.add_argument("--off-document", action="append", default=None, metavar="FILE",
