@@ -96,6 +96,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, got {prompts!r:.80}")
         prompts = list(prompts)
+        if cartridges is not None and any(isinstance(p, dict) and "cartridges" in p for p in prompts):
+            raise ValueError("give cartridges either to generate() or in the prompt dicts, not both")
         if cartridges is not None:  # every prompt starts after them
             prompts = [{**(p if isinstance(p, dict) else {"prompt": p} if isinstance(p, str) else
                            {"prompt_token_ids": p}), "cartridges": cartridges} for p in prompts]

@@ -46,7 +46,7 @@ def prefill_document(engine: LLMEngine, token_ids: Sequence[int], after: Sequenc
     first token)."""
     prompt: dict = {"prompt_token_ids": list(token_ids)}
     if after:
-        prompt["cartridges"] = list(after)
+        prompt.update(cartridges=list(after), cartridge_routing="always")
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     req = engine.requests[rid]
     try:
@@ -72,13 +72,14 @@ def build_prefix(engine: LLMEngine, token_ids: Sequence[int], cartridge_id: str,
     if not token_ids:
         raise CartridgeError("the document is empty")
     keys, values, states, start = prefill_document(engine, token_ids, after)
-    base = ""
+    base, base_digest = "", ""
     if after:
-        base = engine.input_processor.cartridges.compose(list(after)).parts[-1].id
+        last = engine.input_processor.cartridges.compose(list(after)).parts[-1]
+        base, base_digest = last.id, last.digest
     return Cartridge(cartridge_id, len(token_ids), model_fingerprint(engine.config.model), "prefix", tuple(keys),
                      tuple(values), tuple(states), start, base, tuple(int(t) for t in token_ids),
                      builder_args={"after": [a if isinstance(a, str) else a.get("id") or a.get("path")
-                                             for a in after]})
+                                             for a in after]}, base_digest=base_digest)
 
 
 def build_knorm(engine: LLMEngine, token_ids: Sequence[int], num_tokens: int, cartridge_id: str) -> Cartridge:

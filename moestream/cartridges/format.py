@@ -21,7 +21,8 @@ Its string metadata: `format` ("moestream-cartridge"), `version` ("1"), `id`, `n
 (p), `model_hash` (`model_fingerprint` of the checkpoint it was built on), `dtype` (of the
 KV tensors), `builder` (prefix, knorm or train, with its options as JSON in
 `builder_args`), `position_offset` (the position of its first entry: 0, or the end of the
-cartridge it continues) and `base` (the id of that cartridge, "" for none).
+cartridge it continues), `base` (the id of that cartridge, "" for none) and `base_digest`
+(its file's sha256).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class Cartridge:
         builder_args: the builder's options.
         path: the file it was read from.
         router: its `CartridgeRouter` (`cartridge_routing: "auto"`), or None.
+        base_digest: the digest of the cartridge it was built after ("" for none).
     """
 
     id: str
@@ -85,6 +87,7 @@ class Cartridge:
     builder_args: dict = field(default_factory=dict)
     path: str = ""
     router: CartridgeRouter | None = None
+    base_digest: str = ""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,8 +159,8 @@ def save_cartridge(path: str, cart: Cartridge, state_names: tuple[str, ...] = ()
     meta = {"format": FORMAT, "version": VERSION, "id": cart.id, "num_tokens": str(p), "model_hash": cart.model_hash,
             "dtype": str(cart.dtype).removeprefix("torch."), "builder": cart.builder,
             "builder_args": json.dumps(cart.builder_args, sort_keys=True), "position_offset": str(cart.position_offset),
-            "base": cart.base, "num_layers": str(len(cart.keys)), "state_names": ",".join(state_names),
-            "mla": "1" if mla else "0",
+            "base": cart.base, "base_digest": cart.base_digest, "num_layers": str(len(cart.keys)),
+            "state_names": ",".join(state_names), "mla": "1" if mla else "0",
             **({"router_threshold": repr(cart.router.threshold)} if cart.router is not None else {})}
     save_file(tensors, path, metadata=meta)
     return _file_digest(path)
@@ -210,7 +213,11 @@ def load_cartridge(path: str) -> Cartridge:
             builder_args = json.loads(meta.get("builder_args") or "{}")
             router = None
             if "router.log_odds" in names:
-                router = CartridgeRouter(f.get_tensor("router.log_odds"), float(meta["router_threshold"]))
+                log_odds = f.get_tensor("router.log_odds")
+                if log_odds.dim() != 1 or not log_odds.is_floating_point():
+                    raise CartridgeError(f"cartridge '{path}' is corrupt: router.log_odds must be a 1-D float tensor")
+                router = CartridgeRouter(log_odds.float(), float(meta["router_threshold"]))
+            base_digest = meta.get("base_digest", "")
     except CartridgeError:
         raise
     except Exception as e:  # safetensors' own errors, a missing key, a bad number
@@ -222,4 +229,4 @@ def load_cartridge(path: str) -> Cartridge:
         raise CartridgeError(f"cartridge '{path}' is corrupt: p={p}, builder {builder!r}, layers with bad shapes "
                              f"{bad[:4]}; rebuild it with `moestream cartridge build`")
     return Cartridge(cid, p, model_hash, builder, tuple(keys), tuple(values), tuple(states), offset, base, token_ids,
-                     _file_digest(path), builder_args, path, router)
+                     _file_digest(path), builder_args, path, router, base_digest)

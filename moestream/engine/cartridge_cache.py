@@ -15,8 +15,9 @@ cartridges and prompt hits the blocks after them too). While requests run with i
 composition is pinned: the cache holds one reference on its blocks besides theirs. When the
 last one finishes, is preempted or aborted, the pin goes and the blocks join the free queue
 like any cached block: evicted least recently used first, only when unused, and found again
-by the next request while they last (else written again from the host copy). Without prefix
-caching nothing stays cached: each pin writes the blocks.
+by the next request while they last (else written again from the host copy). The
+composition's blocks are cached so even with prefix caching off (requests' own blocks are
+not).
 
 Hybrid models: a cartridge carries the linear layers' states after its last position; a
 request starts from the last cartridge's state. Their states compose only along a chain
@@ -53,7 +54,8 @@ class CartridgeSpec:
         num_layers: attention (cache) layers.
         kv_dims: (heads, key dim, value dim) of one cache entry (`ModelConfig.kv_cache_dims`).
         state_shapes: hybrid models: (shape, dtype) of each state tensor of one request,
-            in `StatePool.read_row`'s order; () otherwise.
+            in `StatePool.read_row`'s order (shapes must match; dtypes are cast at restore);
+            () otherwise.
     """
 
     model_hash: str
@@ -80,11 +82,12 @@ def check_cartridge(cart: Cartridge, spec: CartridgeSpec) -> None:
         if tuple(k.shape[1:]) != (heads, k_dim) or tuple(v.shape[1:]) != (heads, v_dim):
             raise CartridgeError(f"{name}: layer {i} holds keys {tuple(k.shape[1:])} and values {tuple(v.shape[1:])} "
                                  f"per position, this model caches ({heads}, {k_dim}) and ({heads}, {v_dim})")
-    got = tuple((tuple(t.shape), t.dtype) for t in cart.states)
-    if got != spec.state_shapes:
+    got = [tuple(t.shape) for t in cart.states]
+    want = [shape for shape, _ in spec.state_shapes]
+    if got != want:
         what = "linear-attention states" if spec.state_shapes else "no linear-attention states"
-        raise CartridgeError(f"{name} holds {len(got)} state tensors that do not match this model's {what} "
-                             f"({len(spec.state_shapes)} tensors)")
+        raise CartridgeError(f"{name} holds {len(got)} state tensors of shapes {got[:2]}... that do not match this "
+                             f"model's {what} ({len(want)} tensors of shapes {want[:2]}...)")
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class CartridgeCache:
         spec: what a cartridge must match.
         pool: the KV block pool (first KV cache group).
         block_size: tokens per block.
-        enable_prefix_caching: keep unpinned compositions' blocks cached (LRU) for later use.
+        enable_prefix_caching: the engine's setting (compositions' blocks are cached either way).
         cartridge_dir: where cartridge ids resolve (`<dir>/<id>.safetensors`); None: ids
             must be paths.
         dtype: the KV cache dtype (cartridges of another dtype are cast, with a warning).
@@ -169,7 +172,6 @@ class CartridgeCache:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the runner's, set by the builder
         self.unsupported: str | None = None  # why this engine serves no cartridges, set by the builder
         self.default_routing = "always"  # `cartridge_routing` of requests that do not set it, set by the builder
-        self.num_routed = {"attached": 0, "skipped": 0}  # auto-routed requests by decision (the server's metrics)
         self._lock = threading.Lock()  # `compose` may run on the server's tokenizer thread
         self._loaded: OrderedDict[tuple[str, float, int], Cartridge] = OrderedDict()
         self._flat: OrderedDict[tuple[str, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
@@ -207,13 +209,17 @@ class CartridgeCache:
         cid = item.get("id")
         if not isinstance(cid, str) or not cid:
             raise CartridgeError("a cartridge needs an 'id' (a file in --cartridge-dir) or a 'path'")
-        if "/" in cid or "\\" in cid or cid.startswith("."):
+        if "/" in cid or "\\" in cid or "\0" in cid or cid.startswith("."):
             raise CartridgeError(f"cartridge id {cid!r} must be a file name in --cartridge-dir, not a path; "
                                  "use the 'path' field for a path")
         if self.cartridge_dir is None:
             raise CartridgeError(f"cartridge id {cid!r} cannot be resolved: no cartridge directory is set "
                                  "(start the engine with --cartridge-dir, or give a 'path')")
-        return os.path.join(self.cartridge_dir, cid if cid.endswith(".safetensors") else f"{cid}.safetensors")
+        path = os.path.join(self.cartridge_dir, cid if cid.endswith(".safetensors") else f"{cid}.safetensors")
+        root = os.path.realpath(self.cartridge_dir)
+        if not os.path.realpath(path).startswith(root + os.sep):  # a link out of the directory
+            raise CartridgeError(f"cartridge id {cid!r} resolves outside the cartridge directory")
+        return path
 
     def load(self, path: str, force: bool = False) -> Cartridge:
         """The cartridge at `path`, read once (again when the file changed, or `force`) and checked.
@@ -261,7 +267,8 @@ class CartridgeCache:
                 parts.append(self.load(path, force))
         spans, pos = [], 0
         for i, c in enumerate(parts):
-            if self.spec.state_shapes and (c.position_offset != pos or (i and c.base != parts[i - 1].id)):
+            follows = i and (c.base_digest == parts[i - 1].digest if c.base_digest else c.base == parts[i - 1].id)
+            if self.spec.state_shapes and (c.position_offset != pos or (i and not follows)):
                 raise CartridgeError(
                     f"on a model with linear-attention layers, cartridges compose only as a chain: '{c.id}' was built "
                     f"at position {c.position_offset} after {c.base or 'nothing'!r}, but it would follow "
@@ -293,7 +300,6 @@ class CartridgeCache:
         else:
             best = max(scored, key=lambda s: s[0] - s[1])
             attached = best[0] > best[1]
-        self.num_routed["attached" if attached else "skipped"] += 1
         return CartridgeRoute(ids, routing, attached, best[0], best[1], prefix.num_tokens)
 
     # ---- blocks -----------------------------------------------------------------------------
@@ -337,23 +343,28 @@ class CartridgeCache:
         pin = self._pins.get(prefix.key)
         if pin is None:
             hashes = self.block_hashes(prefix)
-            cached = [self.pool.cached_block(h) if self.enable_prefix_caching else None for h in hashes]
+            cached = [self.pool.cached_block(h) for h in hashes]
             hits = [b for b in cached if b is not None]
             if len(hashes) - len(hits) > self.pool.num_free_blocks - self.pool.num_free_hits(hits):
                 return None
+            if len(hits) < len(hashes):
+                self._entries(prefix)  # the host copy first: nothing is taken if it fails
             self.pool.touch(hits)
-            new = iter(self.pool.take(len(hashes) - len(hits)))
-            blocks = []
-            for j, (h, b) in enumerate(zip(hashes, cached)):
-                if b is None:
-                    b = next(new)
-                    self._write(prefix, b, j * self.block_size, (j + 1) * self.block_size)
-                    if self.enable_prefix_caching:
+            taken = self.pool.take(len(hashes) - len(hits))
+            new, blocks = iter(taken), []
+            try:
+                for j, (h, b) in enumerate(zip(hashes, cached)):
+                    if b is None:
+                        b = next(new)
+                        self._write(prefix, b, j * self.block_size, (j + 1) * self.block_size)
                         self.pool.cache(b, h)
-                    self.num_block_writes += 1
-                else:
-                    self.num_block_reuses += 1
-                blocks.append(b)
+                        self.num_block_writes += 1
+                    else:
+                        self.num_block_reuses += 1
+                    blocks.append(b)
+            except BaseException:
+                self.pool.release([*hits, *taken])
+                raise
             pin = self._pins[prefix.key] = _Pin(blocks, set())
         pin.users.add(request_id)
         self._user_key[request_id] = prefix.key

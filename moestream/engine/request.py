@@ -108,13 +108,14 @@ class Request:
     @property
     def mm_hash_spans(self) -> tuple[tuple[int, int, bytes], ...]:
         """(first token, end token, hash): extra keys of the block hashes, each image's content
-        hash over its tokens and the `cache_salt` over the first token (so that blocks computed
-        in an approximate expert mode never serve an exact request, nor the other way); with
-        cartridges, each one's file digest over its first position."""
+        hash over its tokens and the `cache_salt` over the first computed token (so that blocks
+        computed in an approximate expert mode never serve an exact request, nor the other
+        way); with cartridges, each one's file digest over its first position (their blocks
+        hold no computed token, so they are the same for every mode)."""
         spans = self.mm_inputs.hash_spans if self.mm_inputs is not None else ()
-        if self.cartridge is not None:
-            spans = (*self.cartridge.hash_spans, *spans)
-        return ((0, 1, self.cache_salt), *spans) if self.cache_salt else spans
+        salt = self.num_prefix_tokens  # after cartridges, over the first computed position: their blocks are shared
+        spans = ((salt, salt + 1, self.cache_salt), *spans) if self.cache_salt else spans
+        return (*self.cartridge.hash_spans, *spans) if self.cartridge is not None else spans
 
     @property
     def num_prefix_tokens(self) -> int:

@@ -127,7 +127,12 @@ class Scheduler:
 
     def reset_request(self, req: Request) -> None:
         """Drop `req`'s computed tokens (blocks and state) so that it is recomputed from token 0;
-        it keeps its place in the queues."""
+        it keeps its place in the queues. A running request with cartridges goes back to the
+        front of the waiting queue instead, to be admitted after them again."""
+        if req.cartridge is not None and req in self.running:
+            self.running.remove(req)
+            self._preempt(req)
+            return
         self.coordinator.free(req)
         req.num_computed_tokens = 0
 

@@ -167,13 +167,18 @@ def cartridge_prompt(prompt: PromptType, req: SamplingRequest, cartridge_dir: st
     refs = []
     for c in req.cartridges:
         ref = {"id": c} if isinstance(c, str) else c.model_dump(exclude_none=True)
+        ref.pop("force_redownload", None)  # over HTTP a file is read again only when it changed (mtime, size)
         path = ref.get("path")
         if path is not None:
-            root = os.path.realpath(cartridge_dir) if cartridge_dir is not None else None
-            if root is None or not os.path.realpath(os.path.join(root, path)).startswith(root + os.sep):
+            try:
+                root = os.path.realpath(cartridge_dir) if cartridge_dir is not None else None
+                full = os.path.realpath(os.path.join(root, path)) if root is not None else ""
+            except (ValueError, OSError):  # e.g. a NUL byte
+                root = None
+            if root is None or not full.startswith(root + os.sep):
                 raise APIError(400, f"cartridge path {path!r} is not inside the server's cartridge directory "
                                     "(--cartridge-dir); name cartridges by id", param="cartridges")
-            ref["path"] = os.path.realpath(os.path.join(root, path))
+            ref["path"] = full
         refs.append(ref)
     base = prompt if isinstance(prompt, dict) else {"prompt": prompt} if isinstance(prompt, str) else {
         "prompt_token_ids": list(prompt)}

@@ -96,7 +96,7 @@ class Speculator:
                             "resume when they start to match", req.request_id, state.acceptance,
                             self.adaptive.cost_ratio(len(self.scheduler.running)), before)
             if sc.method == "ngram":
-                state.shadow = self.proposer.propose(req.token_ids, 1)
+                state.shadow = self.proposer.propose(req.token_ids[req.num_prefix_tokens:], 1)
             elif state.probe():  # a draft costs a forward: measure with one token now and then
                 return 1
             return 0
@@ -118,7 +118,7 @@ class Speculator:
         method = self.config.method
         if method == "ngram":
             for req, n in zip(reqs, lengths):
-                req.spec_token_ids = self.proposer.propose(req.token_ids, n) if n else []
+                req.spec_token_ids = self.proposer.propose(req.token_ids[req.num_prefix_tokens:], n) if n else []
             return
         if method == "mtp":
             want = {id(r): n for r, n in zip(reqs, lengths)}
