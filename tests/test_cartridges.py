@@ -27,8 +27,15 @@ DOC_LEN = 23  # not a multiple of the block size: the tail is copied into each r
 NEW = 10
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 20000) for _ in range(n)]
+def _tokens(rng: random.Random, n: int, vocab: int = 20000) -> list[int]:
+    return [rng.randrange(5 if vocab < 1000 else 100, min(vocab, 20000)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def loop_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_checkpoint import make_loop_moe_checkpoint
+
+    return make_loop_moe_checkpoint(str(tmp_path_factory.mktemp("loop_cart")), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +58,19 @@ def _chosen_logprobs(out) -> list[float]:
     return [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "qwen3_next", "loop_moe"])
 def test_prefix_cartridge_is_exact(arch: str, request: pytest.FixtureRequest, tmp_path) -> None:
     """A prefix cartridge of D gives the greedy tokens of D prepended literally, logprobs within
     1e-4, in a batch with a request without cartridges, across preemptions and at a 25% expert
-    budget; afterwards no block is held."""
+    budget; afterwards no block is held. (loop_moe: one cache layer per (layer, pass).)"""
     model = request.getfixturevalue(f"{arch}_dir")
-    rng = random.Random(7)
-    doc = _tokens(rng, DOC_LEN)
-    prompts = [_tokens(rng, n) for n in (1, 5, 9, 17)]
-    plain_prompt = _tokens(rng, 12)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1)
     ref = LLM(model, dtype="float32", block_size=BS, max_model_len=64, enable_prefix_caching=False)
+    vocab = ref.llm_engine.model_config.vocab_size
+    rng = random.Random(7)
+    doc = _tokens(rng, DOC_LEN, vocab)
+    prompts = [_tokens(rng, n, vocab) for n in (1, 5, 9, 17)]
+    plain_prompt = _tokens(rng, 12, vocab)
     path = _engine_cartridge(ref, doc, str(tmp_path / "doc.safetensors"))
     want = ref.generate([{"prompt_token_ids": doc + p} for p in prompts] + [{"prompt_token_ids": plain_prompt}],
                         params)
@@ -216,6 +224,9 @@ def test_cli_builds_prefix_and_knorm(qwen3_moe_dir: str, tmp_path, capsys) -> No
     for pk, kk in zip(p.keys, k.keys):  # per head, the 8 smallest key norms of the document
         want = pk.float().norm(dim=-1).topk(8, dim=0, largest=False).values.sort(dim=0).values
         assert torch.equal(kk.float().norm(dim=-1).sort(dim=0).values, want)
+    assert cli_main(["generate", qwen3_moe_dir, "--dtype", "float32", "--max-tokens", "4", "--cartridge",
+                     str(tmp_path / "p.safetensors"), "def f("]) == 0
+    assert f"[after cartridges p: {p.num_tokens} positions]" in capsys.readouterr().out
     assert cli_main(["cartridge", "build", *common, "--method", "knorm", "--num-tokens", "100000",
                      "--output", str(tmp_path / "x.safetensors")]) == 2
     assert "--num-tokens must be in" in capsys.readouterr().err
@@ -297,8 +308,13 @@ def test_server_cartridges_field(cartridge_server, qwen3_moe_dir: str, mixtral_d
                                     (["other"], "another model"), ([{"id": "doc", "source": "wandb"}], "source")]:
             r = client.post("/v1/completions", json={**body, "prompt": prompt, "cartridges": cartridges})
             assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        auto = client.post("/v1/completions", json={**body, "prompt": prompt, "cartridges": ["doc"],
+                                                    "cartridge_routing": "auto"}).json()["usage"]["cartridges"]
+        assert auto == [{"ids": ["doc"], "routing": "auto", "attached": True, "relevance": None, "threshold": None,
+                         "positions": DOC_LEN}]  # no router in the file: attached
         metrics = client.get("/metrics").text
     assert 'moestream:cartridge_requests_total{decision="attached",routing="always"} 2.0' in metrics
+    assert 'moestream:cartridge_requests_total{decision="attached",routing="auto"} 1.0' in metrics
     assert engine.coordinator.cartridges.stats()["pinned"] == 0
 
 

@@ -343,7 +343,12 @@ class AsyncLLMEngine:
             if id(prompt) not in seen:
                 text, ids, mm, cart, route = self.input_processor.process(prompt, add_special_tokens)
                 num_positions = len(ids) + (cart.num_tokens if cart is not None else 0)
-                self.input_processor.check_max_tokens(num_positions, requested_max_tokens, strict=True)
+                try:
+                    self.input_processor.check_max_tokens(num_positions, requested_max_tokens, strict=True)
+                except ValueError as e:
+                    if cart is None:
+                        raise
+                    raise ValueError(f"{e} The input counts the {cart.num_tokens} positions of its cartridges.") from None
                 seen[id(prompt)] = ProcessedPrompt(text, ids, mm, cart, route)
             out.append(seen[id(prompt)])
         return out

@@ -88,6 +88,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     s.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="print the N most likely tokens and their log-probabilities at each generated token, "
                         "after each completion (default: off)")
+    gen.add_argument("--cartridge", action="append", default=None, metavar="CARTRIDGE",
+                     help="a KV cartridge every prompt starts after: a .safetensors path or an id in "
+                          "--cartridge-dir (repeatable: composed in order; docs/cartridges.md)")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine sizes at start-up")
     add_engine_args(gen)
     return gen
@@ -209,7 +212,8 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"--- sampling: {shown}" + (f" ({', '.join(from_model)} from the model's generation_config.json)"
                                        if from_model else ""))
     start = time.perf_counter()
-    outputs, hint = _generate_watching_speed(llm, [p for p in prompts for _ in range(n)], params * len(prompts))
+    inputs = [{"prompt": p, "cartridges": args.cartridge} if args.cartridge else p for p in prompts for _ in range(n)]
+    outputs, hint = _generate_watching_speed(llm, inputs, params * len(prompts))
     elapsed = time.perf_counter() - start
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     for i, prompt in enumerate(prompts):
@@ -221,6 +225,8 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"{out.prompt}{c.text}")
             stop = "" if c.stop_reason is None else f", stop_reason={c.stop_reason!r}"
             print(f"[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}{stop}]")
+            if out.cartridges is not None:
+                print(f"[after cartridges {', '.join(out.cartridges.ids)}: {out.cartridges.num_tokens} positions]")
             if args.logprobs is not None:
                 print(f"--- logprobs (token logprob | top {args.logprobs}):")
                 for line in format_logprobs(c, args.logprobs):
