@@ -6,9 +6,9 @@ from __future__ import annotations
 from moestream import SamplingParams
 
 
-def run_schedule(engine, prompts: list[list[int]], params: SamplingParams, arrivals: list[tuple[int, int]],
+def run_schedule(engine, prompts: list[list[int] | dict], params: SamplingParams, arrivals: list[tuple[int, int]],
                  aborts: list[tuple[int, int]]) -> tuple[dict[str, int], dict[str, list[int]], set[str]]:
-    """Add request n (prompt arrivals[n][0]) at step arrivals[n][1], abort request aborts[m][0]
+    """Add request n (prompt arrivals[n][0]: token ids, or a prompt dict) at step arrivals[n][1], abort request aborts[m][0]
     (when it exists) at step aborts[m][1], and step until nothing is left. Returns (request id
     -> prompt index, finished request id -> output tokens, aborted request ids).
 
@@ -27,7 +27,8 @@ def run_schedule(engine, prompts: list[list[int]], params: SamplingParams, arriv
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
             _, i, rid = pending.pop(0)
-            engine.add_request({"prompt_token_ids": prompts[i]}, params, request_id=rid)
+            prompt = prompts[i] if isinstance(prompts[i], dict) else {"prompt_token_ids": prompts[i]}
+            engine.add_request(prompt, params, request_id=rid)
             prompt_of[rid] = i
         for rid in abort_at.get(step, []):
             if engine.abort_request(rid) is not None:

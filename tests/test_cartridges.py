@@ -11,7 +11,10 @@ import random
 import httpx
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from live_server import LiveServer
+from random_schedule import run_schedule
 from safetensors.torch import save_file
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -393,3 +396,56 @@ def test_regressions_failed_step_salt_and_server_paths(qwen3_next_dir: str, qwen
     with pytest.raises(APIError) as e:
         cartridge_prompt("x", req, str(tmp_path))
     assert e.value.status == 400 and "not inside" in e.value.message
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+def schedule_setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """An engine with a 14-block KV pool (preemptions), prefix caching and two cartridges (one a
+    chain after the other), 6 prompts with, after both and without cartridges, and each
+    prompt's greedy tokens with its documents prepended literally, alone."""
+    model = request.getfixturevalue(f"{request.param}_dir")
+    tmp = tmp_path_factory.mktemp("schedule")
+    rng = random.Random(21)
+    d1, d2 = _tokens(rng, 9), _tokens(rng, 6)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(model, dtype="float32", block_size=BS, max_model_len=48, enable_prefix_caching=False)
+    c1 = _engine_cartridge(plain, d1, str(tmp / "c1.safetensors"), "c1")
+    c2 = _engine_cartridge(plain, d2, str(tmp / "c2.safetensors"), "c2", after=(c1,))
+    texts = [_tokens(rng, n) for n in (3, 7, 12, 5, 9, 2)]
+    docs = [d1, d1 + d2, [], d1, d1 + d2, []]
+    carts = [[c1], [c1, c2], None, [c1], [c1, c2], None]
+    prompts = [{"prompt_token_ids": t, **({"cartridges": c} if c else {})} for t, c in zip(texts, carts)]
+    solo = [plain.generate([{"prompt_token_ids": d + t}], params)[0].outputs[0].token_ids for d, t in zip(docs, texts)]
+    llm = LLM(model, dtype="float32", block_size=BS, max_model_len=48, enable_prefix_caching=True,
+              kv_cache_memory_bytes=14 * plain.llm_engine.kv_cache_block_bytes, max_num_batched_tokens=16)
+    return llm.llm_engine, prompts, solo, params
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(arrivals=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6)), min_size=1, max_size=6),
+       aborts=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10)), max_size=2))
+def test_random_schedules_with_cartridges(schedule_setup, arrivals, aborts) -> None:
+    """Random arrivals and aborts of requests with, after a chain of, and without cartridges,
+    under preemption and chunked prefill: each finished request's tokens are its literal
+    document's alone, and afterwards no block, pin or state slot is held."""
+    engine, prompts, solo, params = schedule_setup
+    prompt_of, finished, aborted = run_schedule(engine, prompts, params, arrivals, aborts)
+    kv = engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks and all(kv.ref_count(b) == 0 for b in range(kv.num_blocks))
+    assert engine.coordinator.cartridges.stats()["pinned"] == 0 and not engine.coordinator._restore_host
+    if engine.state_pool is not None:
+        assert engine.state_pool.num_resident() == 0 and engine.state_pool.num_swapped() == 0
+    assert not engine.requests
+    for rid, tokens in finished.items():
+        assert tokens == solo[prompt_of[rid]], f"{rid} (prompt {prompt_of[rid]}) changed with company"
+    assert set(finished) | aborted == set(prompt_of)
+
+
+def test_schedule_setup_preempts(schedule_setup) -> None:
+    """All six prompts at once: the pool forces preemptions (so the property test exercises
+    re-admission after cartridges), and the outputs are still the literal documents'."""
+    engine, prompts, solo, params = schedule_setup
+    before = engine.scheduler.num_preemptions
+    prompt_of, finished, _ = run_schedule(engine, prompts, params, [(i, 0) for i in range(6)], [])
+    assert engine.scheduler.num_preemptions > before
+    assert all(tokens == solo[prompt_of[rid]] for rid, tokens in finished.items()) and len(finished) == 6
