@@ -204,10 +204,9 @@ def main() -> int:
     plt = pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for method, marker in (("prefix", "s"), ("knorm", "^"), ("train", "o"), ("train+auto", "x")):
-            xs = [p for p in args.p if f"{method.split('+')[0]}-{p}{'+auto' if '+' in method else ''}" in table]
-            ys = [table[f"{method.split('+')[0]}-{p}{'+auto' if '+' in method else ''}"]["on"] for p in xs]
-            ax.plot(xs, ys, marker=marker, label=method)
+        for label, row, marker in (("prefix", "prefix-{}", "s"), ("knorm", "knorm-{}", "^"), ("train", "train-{}", "o"),
+                                   ("train+auto", "train-{}+auto", "x")):
+            ax.plot(args.p, [table[row.format(p)]["on"] for p in args.p], marker=marker, label=label)
         ax.axhline(none_on, color="grey", linestyle="--", label="no document")
         ax.axhline(full_on, color="black", linestyle=":", label="full document")
         ax.set_xscale("log", base=2)

@@ -8,7 +8,6 @@ settings score the same tokens.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from moestream.llm import LLM
@@ -37,4 +36,4 @@ def text_loss(llm: LLM, texts: Sequence[Sequence[int]], prefix: Sequence[int] = 
         for token, entry in zip(text[1:], entries):
             total -= entry[token].logprob
             count += 1
-    return total / count if count else math.nan
+    return total / count

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from moestream.config import EngineConfig, ModelConfig, resolve_dtype
+from moestream.config import EngineConfig, ModelConfig, SpeculativeConfig, resolve_dtype
 from moestream.engine.args import check_engine_config
 from moestream.engine.elastic_memory import ElasticMemory, PageGeometry
 from moestream.engine.input_processor import InputProcessor
@@ -100,7 +100,8 @@ class EngineParts:
 
 
 def _make_cartridge_cache(config: EngineConfig, mcfg: ModelConfig, kv_cache: KVCacheManager, num_groups: int,
-                          state_pool: StatePool | None, dtype: torch.dtype, sc: object) -> CartridgeCache:
+                          state_pool: StatePool | None, dtype: torch.dtype,
+                          sc: SpeculativeConfig | None) -> CartridgeCache:
     """The engine's `CartridgeCache`, or one that refuses every cartridge with the reason the
     model or configuration cannot serve them (`unsupported`)."""
     reason = None
@@ -112,11 +113,8 @@ def _make_cartridge_cache(config: EngineConfig, mcfg: ModelConfig, kv_cache: KVC
         reason = "a model without attention layers"
     states = () if state_pool is None else tuple((tuple(t.shape), t.dtype) for t in state_pool.read_row(0))
     spec = CartridgeSpec(model_fingerprint(config.model), len(mcfg.attention_layers), mcfg.kv_cache_dims, states)
-    cache = CartridgeCache(spec, kv_cache.pool, config.block_size, config.enable_prefix_caching, config.cartridge_dir,
-                           dtype)
-    cache.unsupported = reason
-    cache.default_routing = config.cartridge_routing
-    return cache
+    return CartridgeCache(spec, kv_cache.pool, config.block_size, config.cartridge_dir, dtype,
+                          config.cartridge_routing, reason)
 
 
 def auto_compute_dtype(checkpoint_dtype: torch.dtype, device: torch.device, native_bf16: bool) -> torch.dtype:

@@ -155,23 +155,24 @@ class CartridgeCache:
         spec: what a cartridge must match.
         pool: the KV block pool (first KV cache group).
         block_size: tokens per block.
-        enable_prefix_caching: the engine's setting (compositions' blocks are cached either way).
         cartridge_dir: where cartridge ids resolve (`<dir>/<id>.safetensors`); None: ids
             must be paths.
         dtype: the KV cache dtype (cartridges of another dtype are cast, with a warning).
+        default_routing: `cartridge_routing` of requests that do not set it.
+        unsupported: why this engine serves no cartridges (every composition is refused
+            naming it), or None.
     """
 
-    def __init__(self, spec: CartridgeSpec, pool: BlockPool, block_size: int, enable_prefix_caching: bool,
-                 cartridge_dir: str | None, dtype: torch.dtype) -> None:
+    def __init__(self, spec: CartridgeSpec, pool: BlockPool, block_size: int, cartridge_dir: str | None,
+                 dtype: torch.dtype, default_routing: str = "always", unsupported: str | None = None) -> None:
         self.spec = spec
         self.pool = pool
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.cartridge_dir = cartridge_dir
         self.dtype = dtype
+        self.default_routing = default_routing
+        self.unsupported = unsupported
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # the runner's, set by the builder
-        self.unsupported: str | None = None  # why this engine serves no cartridges, set by the builder
-        self.default_routing = "always"  # `cartridge_routing` of requests that do not set it, set by the builder
         self._lock = threading.Lock()  # `compose` may run on the server's tokenizer thread
         self._loaded: OrderedDict[tuple[str, float, int], Cartridge] = OrderedDict()
         self._flat: OrderedDict[tuple[str, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
