@@ -12,6 +12,10 @@ Presets (all with the real Qwen2 tokenizer, `tests/fixtures/tokenizers/qwen2`):
   with a shared one, 2 GQA attention layers without RoPE);
 - `dsv2lite`: DeepSeek-V2-Lite shapes (~30 GiB; built only when named). Its vocabulary is
   the Qwen2 tokenizer's (151936), not DeepSeek's 102400, since no DeepSeek tokenizer ships here.
+- `dsv2lite-14`: DeepSeek-V2-Lite's shapes in 14 layers (~15 GiB, 13.4 GiB of routed experts)
+  with a 1536-rank query LoRA as DeepSeek-V2 and V3 have (llama.cpp takes a DeepSeek-V2
+  without one only at Lite's 26 or 27 layers): the offload headline's model
+  (`bench/offload_headline.py`); built only when named.
 - `dsv2-small`: DeepSeek-V2 at `small`'s scale with the real MLA dims (kv_lora_rank 512 +
   qk_rope_head_dim 64 = 576, which vLLM's CPU MLA needs; 128 + 64 query/key and 128 value
   dims per head), 2 shared experts, layer 0 dense;
@@ -84,6 +88,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
         num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
         n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
         kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
+        max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
+        rope_theta=10000.0)),
+    "dsv2lite-14": ("deepseek_v2", dict(
+        vocab_size=QWEN2_VOCAB, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=14, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+        n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1, moe_layer_freq=1,
+        kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
         topk_method="greedy", n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False,
         max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=QWEN2_EOS, bos_token_id=QWEN2_EOS,
         rope_theta=10000.0)),

@@ -280,3 +280,40 @@ def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, lo
     store.prefetch(2, [6])
     _wait_resident(store, {(2, 6)})
     assert store.stats()["prefetch_loads"] == 1 and store.resident_experts() == {(2, 5), (2, 6)}
+
+
+def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors) -> None:
+    """A call's disk misses are read by several workers at once: the same victims, counts and
+    bytes as one reader, and every returned view holds its own expert."""
+    calls = [(0, [0, 1, 2]), (2, [3, 4, 5]), (0, [1, 6, 7]), (2, [0, 4, 7]), (0, [2, 3, 5])]
+    stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n) for n in (1, 4)]
+    assert stores[0]._read_pool is None and stores[1]._read_pool is not None
+    for layer, ids in calls:
+        views = [s.ensure(layer, ids) for s in stores]
+        for e, w1, w4 in zip(ids, *views):
+            ref = tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+            assert torch.equal(w1.down, ref) and torch.equal(w4.down, ref)
+        assert stores[0].resident_experts() == stores[1].resident_experts()
+    keys = ("hits", "misses", "evictions", "bytes_read_per_tier")
+    assert [stores[0].stats()[k] for k in keys] == [stores[1].stats()[k] for k in keys]
+    s = stores[1].stats()
+    assert s["hits"] + s["misses"] == 15 and s["bytes_read_per_tier"]["disk"] == s["misses"] * stores[1].expert_bytes
+
+
+def test_failed_concurrent_read_gives_back_every_slot(qwen_cfg, locations, tensors) -> None:
+    """A read error in one worker: the call raises it, none of its misses stays resident (their
+    slots hold partial bytes), no slot leaks, and the next call reads them again."""
+    store = make_store(qwen_cfg, locations, slots=4, read_workers=2)
+    store.ensure(0, [0])
+    failing = _FailingDisk()
+    store._read_disks[1] = failing
+    with pytest.raises(OSError, match="injected read error"):
+        store.ensure(2, [1, 2, 3])
+    assert failing.calls == 1
+    s = store.stats()
+    assert store.resident_experts() == {(0, 0)} and s["free_slots"] + s["resident_experts"] == 4
+    store._read_disks[1] = store._disk
+    w = store.ensure(2, [1, 2, 3])
+    for e, view in zip([1, 2, 3], w):
+        assert torch.equal(view.down, tensors[f"model.layers.2.mlp.experts.{e}.down_proj.weight"])
+    assert store.resident_experts() == {(0, 0), (2, 1), (2, 2), (2, 3)}

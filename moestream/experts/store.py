@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -103,6 +104,7 @@ class PagedExpertStore:
         slot_views: Sequence[ExpertWeights] | None = None,
         layout: PackedLayout | None = None,
         gated: bool = True,
+        read_workers: int = 4,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
@@ -134,6 +136,12 @@ class PagedExpertStore:
             (3 if gated else 2) * inter * hidden * torch.empty(0, dtype=dtype).element_size())
         self._disk = DiskTier(locations)
         self._prefetch_disk = DiskTier(locations)
+        # a call's disk misses are read concurrently (queue depth > 1), each worker with its own
+        # files; with a host cache, misses go through it one at a time
+        self._read_disks = [DiskTier(locations) for _ in range(read_workers)] if (
+            read_workers > 1 and host_cache_experts == 0) else []
+        self._read_pool = ThreadPoolExecutor(len(self._read_disks), thread_name_prefix="expert-read") if (
+            self._read_disks) else None
         self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda", layout=layout,
                                gated=gated)
         self._slot_of: dict[ExpertKey, int] = {}
@@ -202,6 +210,7 @@ class PagedExpertStore:
             for key in keys:
                 self.policy.on_access(key)
             in_place: set[ExpertKey] = set()  # host-cache entries this call reads where they lie
+            reads: list[tuple[int, ExpertKey]] = []  # (slot, key) disk misses, read together below
             for key in keys:
                 slot = self._slot_of.get(key)
                 if slot is None and key in self._loading:
@@ -225,10 +234,43 @@ class PagedExpertStore:
                     continue
                 start = time.perf_counter()
                 slot = self._claim_slot_waiting(layer)
-                self._load_into(slot, key, keep=in_place)
+                if self._read_pool is not None:  # reserved now (in use, so never a victim), read below
+                    self._slot_of[key] = slot
+                    self.policy.on_insert(key)
+                    reads.append((slot, key))
+                else:
+                    self._load_into(slot, key, keep=in_place)
                 self.metrics.stall_seconds += time.perf_counter() - start
                 out.append(self._views[slot])
+            if reads:
+                start = time.perf_counter()
+                self._read_concurrently(reads)
+                self.metrics.stall_seconds += time.perf_counter() - start
         return out
+
+    def _read_concurrently(self, reads: list[tuple[int, ExpertKey]]) -> None:
+        """Read each (slot, key) of `reads` from disk into its slot, split over the read
+        workers (caller holds the lock; the keys are already in `_slot_of`). On a read error
+        every key of `reads` is dropped and its slot freed before the error is raised."""
+        n = len(self._read_disks)
+        jobs = [reads[i::n] for i in range(min(n, len(reads)))]
+
+        def run(disk: DiskTier, part: list[tuple[int, ExpertKey]]) -> int:
+            return sum(disk.read(key, self._views[slot]) for slot, key in part)
+
+        futures = [self._read_pool.submit(run, self._read_disks[i], part) for i, part in enumerate(jobs)]
+        errors = []
+        for f in futures:
+            try:
+                self.metrics.bytes_read_disk += f.result()
+            except Exception as e:  # noqa: BLE001 - re-raised after the slots are given back
+                errors.append(e)
+        if errors:
+            for slot, key in reads:
+                del self._slot_of[key]
+                self.policy.on_evict(key)
+                self._free.append(slot)
+            raise errors[0]
 
     def available_experts(self, layer: int) -> list[int]:
         """Ids of `layer`'s experts that `ensure` would serve now without a disk read: in a
@@ -410,6 +452,10 @@ class PagedExpertStore:
             self._queue.closed = True
             self._queue.cond.notify_all()
         self._disk.close()
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
+            for disk in self._read_disks:
+                disk.close()
 
     def __del__(self) -> None:
         try:

@@ -151,10 +151,22 @@ class DiskTier:
             down.copy_(self._read_matrix(dn))
             return up.nbytes + dn.nbytes
         inter = gate_up.shape[0] // 2
-        gate_up[:inter].copy_(self._read_matrix(gate))
-        gate_up[inter:].copy_(self._read_matrix(up))
-        down.copy_(self._read_matrix(dn))
+        for loc, target in ((gate, gate_up[:inter]), (up, gate_up[inter:]), (dn, down)):
+            if not self._read_direct(loc, target):
+                target.copy_(self._read_matrix(loc))
         return gate.nbytes + up.nbytes + dn.nbytes
+
+    def _read_direct(self, loc: TensorLocation, target: torch.Tensor) -> bool:
+        """Read `loc` straight into `target` when the bytes need no conversion (a contiguous
+        CPU tensor of its dtype and shape, not transposed): no staging copy. False otherwise."""
+        if (loc.transposed or target.device.type != "cpu" or target.dtype != loc.dtype
+                or tuple(target.shape) != tuple(loc.shape) or not target.is_contiguous()):
+            return False
+        view = memoryview(target.view(-1).view(torch.uint8).numpy())
+        got = os.preadv(self._fd(loc.path), [view], loc.offset)
+        if got != loc.nbytes:
+            raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
+        return True
 
     def _read_matrix(self, loc: TensorLocation) -> torch.Tensor:
         """`loc` as an [out, in] matrix (transposed as it is read when stored x @ W)."""
