@@ -19,6 +19,7 @@ from moestream.models.hf_config import model_config_from_hf
 from moestream import LLM, ModelConfig
 from moestream.experts.interface import ExpertWeights
 from moestream.experts.policy import LRUPolicy, make_policy
+from moestream.experts import store as store_module
 from moestream.experts.store import PagedExpertStore, load_pin_profile
 from moestream.loader import CheckpointReader, expert_locations
 
@@ -165,7 +166,8 @@ def test_page_cache_prefetch_advises_the_expert_bytes_and_takes_no_slot(qwen_cfg
         assert time.monotonic() < end, "prefetch did not finish"
         time.sleep(0.01)
     want = sorted((loc.offset, loc.nbytes, os.POSIX_FADV_WILLNEED) for e in (1, 2) for loc in locations[(2, e)])
-    assert sorted(advised) == want
+    assert sorted(a for a in advised if a[2] == os.POSIX_FADV_WILLNEED) == want
+    assert (0, 0, os.POSIX_FADV_RANDOM) in advised  # the demand readers turn read-ahead off
     s = store.stats()
     assert store.resident_experts() == {(0, 0)}
     assert s["prefetch_bytes"] == sum(n for _, n, _ in want) and s["bytes_read_per_tier"]["disk"] == store.expert_bytes
@@ -255,6 +257,10 @@ class _FailingDisk:
         self.calls += 1
         raise OSError(f"injected read error for {key}")
 
+    def read_range(self, path, offset, target) -> int:
+        self.calls += 1
+        raise OSError(f"injected read error at {path}:{offset}")
+
 
 def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, locations, tensors) -> None:
     """Regression: a prefetch read that raised left the key 'loading' and its slot claimed, so
@@ -282,17 +288,22 @@ def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, lo
     assert store.stats()["prefetch_loads"] == 1 and store.resident_experts() == {(2, 5), (2, 6)}
 
 
-def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors) -> None:
-    """A call's disk misses are read by several workers at once: the same victims, counts and
-    bytes as one reader, and every returned view holds its own expert."""
+@pytest.mark.parametrize("chunk", [1 << 20, 1000])
+def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors, monkeypatch, chunk) -> None:
+    """A call's disk misses are read by several workers at once, in byte ranges (1000 bytes:
+    ranges that cut tensors and elements): the same victims, counts and bytes as one reader,
+    and every returned view holds its own expert, byte for byte."""
+    monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", chunk)
     calls = [(0, [0, 1, 2]), (2, [3, 4, 5]), (0, [1, 6, 7]), (2, [0, 4, 7]), (0, [2, 3, 5])]
     stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n) for n in (1, 4)]
     assert stores[0]._read_pool is None and stores[1]._read_pool is not None
+    assert len(stores[1]._disk.direct_ranges((0, 0), stores[1]._views[0])) == 3  # read in ranges, not whole
     for layer, ids in calls:
         views = [s.ensure(layer, ids) for s in stores]
         for e, w1, w4 in zip(ids, *views):
             ref = tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
             assert torch.equal(w1.down, ref) and torch.equal(w4.down, ref)
+            assert torch.equal(w1.gate_up, w4.gate_up)
         assert stores[0].resident_experts() == stores[1].resident_experts()
     keys = ("hits", "misses", "evictions", "bytes_read_per_tier")
     assert [stores[0].stats()[k] for k in keys] == [stores[1].stats()[k] for k in keys]

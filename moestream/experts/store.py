@@ -35,6 +35,7 @@ from moestream.experts.trace import RoutingRecorder  # noqa: TC001
 logger = logging.getLogger(__name__)
 
 PREFETCH_MODES = ("none", "gate", "history")
+READ_CHUNK_BYTES = 1 << 20  # a disk miss is read in ranges of this many bytes, dealt to the read workers
 PREFETCH_TARGETS = ("slots", "page_cache")
 
 
@@ -138,7 +139,7 @@ class PagedExpertStore:
         self._prefetch_disk = DiskTier(locations)
         # a call's disk misses are read concurrently (queue depth > 1), each worker with its own
         # files; with a host cache, misses go through it one at a time
-        self._read_disks = [DiskTier(locations) for _ in range(read_workers)] if (
+        self._read_disks = [DiskTier(locations, random_access=True) for _ in range(read_workers)] if (
             read_workers > 1 and host_cache_experts == 0) else []
         self._read_pool = ThreadPoolExecutor(len(self._read_disks), thread_name_prefix="expert-read") if (
             self._read_disks) else None
@@ -250,15 +251,34 @@ class PagedExpertStore:
 
     def _read_concurrently(self, reads: list[tuple[int, ExpertKey]]) -> None:
         """Read each (slot, key) of `reads` from disk into its slot, split over the read
-        workers (caller holds the lock; the keys are already in `_slot_of`). On a read error
-        every key of `reads` is dropped and its slot freed before the error is raised."""
+        workers (caller holds the lock; the keys are already in `_slot_of`). The bytes of
+        experts that read straight into their slots are cut into `READ_CHUNK_BYTES` ranges and
+        dealt to the workers in contiguous runs of equal size, so that one miss alone keeps
+        every worker reading; others are read whole, one expert per job. On a read error every
+        key of `reads` is dropped and its slot freed before the error is raised."""
         n = len(self._read_disks)
-        jobs = [reads[i::n] for i in range(min(n, len(reads)))]
+        ranges: list[tuple[str, int, memoryview]] = []
+        whole: list[tuple[int, ExpertKey]] = []
+        for slot, key in reads:
+            pieces = self._disk.direct_ranges(key, self._views[slot])
+            if pieces is None:
+                whole.append((slot, key))
+            else:
+                ranges += [(path, off + i, view[i:i + READ_CHUNK_BYTES]) for path, off, view in pieces
+                           for i in range(0, len(view), READ_CHUNK_BYTES)]
+        total = sum(len(v) for _, _, v in ranges)
+        runs: list[list[tuple[str, int, memoryview]]] = [[] for _ in range(n)]
+        done = 0
+        for r in ranges:  # contiguous runs of about total / n bytes each
+            runs[min(n - 1, done * n // max(total, 1))].append(r)
+            done += len(r[2])
 
-        def run(disk: DiskTier, part: list[tuple[int, ExpertKey]]) -> int:
-            return sum(disk.read(key, self._views[slot]) for slot, key in part)
+        def run(disk: DiskTier, ranges: list[tuple[str, int, memoryview]], part: list[tuple[int, ExpertKey]]) -> int:
+            return (sum(disk.read_range(path, off, view) for path, off, view in ranges)
+                    + sum(disk.read(key, self._views[slot]) for slot, key in part))
 
-        futures = [self._read_pool.submit(run, self._read_disks[i], part) for i, part in enumerate(jobs)]
+        futures = [self._read_pool.submit(run, self._read_disks[i], runs[i], whole[i::n])
+                   for i in range(n) if runs[i] or whole[i::n]]  # one job per worker and its DiskTier
         errors = []
         for f in futures:
             try:

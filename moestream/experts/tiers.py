@@ -92,11 +92,14 @@ class DiskTier:
     does, so bit-exact). Quantized checkpoints: `locations[key]` = the expert's stored
     tensors in its `PackedLayout`'s order, read as bytes into a `PackedExpert` (straight
     into it when it is in CPU memory), so a miss reads the compact bytes only.
-    Not thread-safe: give each reading thread its own DiskTier.
+    Not thread-safe: give each reading thread its own DiskTier. `random_access`: the files are
+    opened with `POSIX_FADV_RANDOM` (no kernel read-ahead past the bytes asked for), for
+    readers that split experts into ranges.
     """
 
-    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, ...]]) -> None:
+    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, ...]], random_access: bool = False) -> None:
         self.locations = locations
+        self.random_access = random_access
         self._fds: dict[str, int] = {}
         self._staging = bytearray()
 
@@ -104,6 +107,8 @@ class DiskTier:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            if self.random_access and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
     def _read(self, loc: TensorLocation) -> torch.Tensor:
@@ -167,6 +172,38 @@ class DiskTier:
         if got != loc.nbytes:
             raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
         return True
+
+    def direct_ranges(self, key: ExpertKey, dst: ExpertWeights | PackedExpert) -> list[tuple[str, int, memoryview]] | None:
+        """Expert `key`'s bytes as (path, file offset, CPU target bytes) ranges, when every
+        tensor can be read straight into `dst` with no conversion (packed, or three dense
+        tensors of `dst`'s dtype, not transposed, `dst` on the CPU); None otherwise. Reading
+        the ranges (`read_range`) in any order, split anywhere, equals `read(key, dst)`."""
+        if isinstance(dst, PackedExpert):
+            if dst.data.device.type != "cpu":
+                return None
+            return [(loc.path, loc.offset, memoryview(dst.data[part.offset : part.offset + part.nbytes].numpy()))
+                    for loc, part in zip(self.locations[key], dst.layout.parts, strict=True)]
+        locs = self.locations[key]
+        if len(locs) != 3 or locs[0] is None:
+            return None
+        inter = dst.gate_up.shape[0] // 2
+        out = []
+        for loc, target in zip(locs, (dst.gate_up[:inter], dst.gate_up[inter:], dst.down)):
+            if (loc.transposed or target.device.type != "cpu" or target.dtype != loc.dtype
+                    or tuple(target.shape) != tuple(loc.shape) or not target.is_contiguous()):
+                return None
+            out.append((loc.path, loc.offset, memoryview(target.reshape(-1).view(torch.uint8).numpy())))
+        return out
+
+    def read_range(self, path: str, offset: int, target: memoryview) -> int:
+        """Read len(target) bytes of `path` at `offset` into `target`. Returns bytes read.
+
+        Raises:
+            ValueError: the file ends before the range does."""
+        got = os.preadv(self._fd(path), [target], offset)
+        if got != len(target):
+            raise ValueError(f"short read of '{path}' at offset {offset}: {got} of {len(target)} bytes")
+        return got
 
     def _read_matrix(self, loc: TensorLocation) -> torch.Tensor:
         """`loc` as an [out, in] matrix (transposed as it is read when stored x @ W)."""
