@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name) for name in ("fused_moe_cpu.cpp", "paged_attention_cpu.cpp", "sampling_cpu.cpp")]
 _HEADERS = [os.path.join(_HERE, "simd.h")]
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+# -fopenmp: at::parallel_for is an OpenMP region compiled into the caller; without the flag it
+# runs on one thread whatever torch's thread count (the GOMP symbols resolve to torch's runtime)
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-fopenmp"]
 
 
 def _cpu_tag() -> str:
@@ -45,7 +47,7 @@ def _cpu_tag() -> str:
 def _source_tag() -> str:
     """A short hash of the kernels' sources and headers: torch's extension versioning hashes
     the listed sources only, so an edited header would otherwise load a stale build."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
             digest.update(f.read())

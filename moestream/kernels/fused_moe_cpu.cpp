@@ -357,12 +357,29 @@ std::string isa() {
 #endif
 }
 
+// How many threads at::parallel_for runs this build's regions on: one work item per thread of
+// torch's count, each noting its thread. 1 when the build lacks OpenMP (the regions then run
+// serially whatever torch's thread count), so the tests can tell.
+int64_t parallel_threads() {
+  const int64_t n = at::get_num_threads();
+  std::vector<int64_t> seen(n, 0);
+  at::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) seen[i] = at::get_thread_num();
+  });
+  std::vector<bool> used(n, false);
+  int64_t count = 0;
+  for (int64_t t : seen)
+    if (t >= 0 && t < n && !used[t]) used[t] = true, ++count;
+  return count;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(moestream_cpu, m) {
   m.def("fused_moe(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor[] gate_up_bias, Tensor[] down_bias, "
         "Tensor token_of, Tensor pair_weight, int[] counts, int act, float alpha, float limit, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
+  m.def("parallel_threads() -> int", &parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(moestream_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
