@@ -42,7 +42,7 @@ def tensors(qwen3_moe_dir: str) -> dict[str, torch.Tensor]:
 def make_store(cfg: ModelConfig, locations, slots: int, policy: str = "lru", **kw) -> PagedExpertStore:
     moe = [i for i, m in enumerate(cfg.moe_layers) if m]
     return PagedExpertStore(locations, cfg.num_layers, moe, cfg.num_experts, cfg.moe_intermediate_size,
-                            cfg.hidden_size, torch.float32, torch.device("cpu"), slots, kw.pop("host", 0),
+                            cfg.hidden_size, kw.pop("dtype", torch.float32), torch.device("cpu"), slots, kw.pop("host", 0),
                             make_policy(policy), top_k=cfg.num_experts_per_tok, **kw)
 
 
@@ -288,27 +288,30 @@ def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, lo
     assert store.stats()["prefetch_loads"] == 1 and store.resident_experts() == {(2, 5), (2, 6)}
 
 
-@pytest.mark.parametrize("chunk", [1 << 20, 1000])
-def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors, monkeypatch, chunk) -> None:
+@pytest.mark.parametrize("chunk,dtype", [(1 << 20, torch.float32), (1000, torch.float32), (1 << 20, torch.bfloat16)])
+def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors, monkeypatch, chunk, dtype) -> None:
     """A call's disk misses are read by several workers at once, in byte ranges (1000 bytes:
-    ranges that cut tensors and elements): the same victims, counts and bytes as one reader,
-    and every returned view holds its own expert, byte for byte."""
+    ranges that cut tensors and elements), or whole experts when the engine's dtype differs
+    from the checkpoint's (bf16 from float32): the same victims, counts and bytes as one
+    reader, and every returned view holds its own expert, byte for byte."""
     monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", chunk)
     calls = [(0, [0, 1, 2]), (2, [3, 4, 5]), (0, [1, 6, 7]), (2, [0, 4, 7]), (0, [2, 3, 5])]
-    stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n) for n in (1, 4)]
+    stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n, dtype=dtype) for n in (1, 4)]
     assert stores[0]._read_pool is None and stores[1]._read_pool is not None
-    assert len(stores[1]._disk.direct_ranges((0, 0), stores[1]._views[0])) == 3  # read in ranges, not whole
+    ranges = stores[1]._disk.direct_ranges((0, 0), stores[1]._views[0])
+    assert (len(ranges) == 3) if dtype == torch.float32 else ranges is None  # in ranges, or whole
     for layer, ids in calls:
         views = [s.ensure(layer, ids) for s in stores]
         for e, w1, w4 in zip(ids, *views):
-            ref = tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"]
+            ref = tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"].to(dtype)
             assert torch.equal(w1.down, ref) and torch.equal(w4.down, ref)
             assert torch.equal(w1.gate_up, w4.gate_up)
         assert stores[0].resident_experts() == stores[1].resident_experts()
     keys = ("hits", "misses", "evictions", "bytes_read_per_tier")
     assert [stores[0].stats()[k] for k in keys] == [stores[1].stats()[k] for k in keys]
     s = stores[1].stats()
-    assert s["hits"] + s["misses"] == 15 and s["bytes_read_per_tier"]["disk"] == s["misses"] * stores[1].expert_bytes
+    stored = stores[1].expert_bytes * torch.float32.itemsize // dtype.itemsize  # the checkpoint is float32
+    assert s["hits"] + s["misses"] == 15 and s["bytes_read_per_tier"]["disk"] == s["misses"] * stored
 
 
 def test_failed_concurrent_read_gives_back_every_slot(qwen_cfg, locations, tensors) -> None:

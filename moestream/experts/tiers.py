@@ -161,17 +161,22 @@ class DiskTier:
                 target.copy_(self._read_matrix(loc))
         return gate.nbytes + up.nbytes + dn.nbytes
 
-    def _read_direct(self, loc: TensorLocation, target: torch.Tensor) -> bool:
-        """Read `loc` straight into `target` when the bytes need no conversion (a contiguous
-        CPU tensor of its dtype and shape, not transposed): no staging copy. False otherwise."""
+    @staticmethod
+    def _direct_view(loc: TensorLocation, target: torch.Tensor) -> memoryview | None:
+        """`target`'s bytes when `loc` can be read straight into them (a contiguous CPU tensor
+        of its dtype and shape, not transposed: no conversion); None otherwise."""
         if (loc.transposed or target.device.type != "cpu" or target.dtype != loc.dtype
                 or tuple(target.shape) != tuple(loc.shape) or not target.is_contiguous()):
-            return False
-        view = memoryview(target.view(-1).view(torch.uint8).numpy())
-        got = os.preadv(self._fd(loc.path), [view], loc.offset)
-        if got != loc.nbytes:
-            raise ValueError(f"short read of tensor '{loc.name}' in '{loc.path}': {got} of {loc.nbytes} bytes")
-        return True
+            return None
+        return memoryview(target.reshape(-1).view(torch.uint8).numpy())
+
+    def _read_direct(self, loc: TensorLocation, target: torch.Tensor) -> bool:
+        """Read `loc` straight into `target` when the bytes need no conversion: no staging
+        copy. False otherwise."""
+        view = self._direct_view(loc, target)
+        if view is not None:
+            self.read_range(loc.path, loc.offset, view)
+        return view is not None
 
     def direct_ranges(self, key: ExpertKey, dst: ExpertWeights | PackedExpert) -> list[tuple[str, int, memoryview]] | None:
         """Expert `key`'s bytes as (path, file offset, CPU target bytes) ranges, when every
@@ -187,13 +192,10 @@ class DiskTier:
         if len(locs) != 3 or locs[0] is None:
             return None
         inter = dst.gate_up.shape[0] // 2
-        out = []
-        for loc, target in zip(locs, (dst.gate_up[:inter], dst.gate_up[inter:], dst.down)):
-            if (loc.transposed or target.device.type != "cpu" or target.dtype != loc.dtype
-                    or tuple(target.shape) != tuple(loc.shape) or not target.is_contiguous()):
-                return None
-            out.append((loc.path, loc.offset, memoryview(target.reshape(-1).view(torch.uint8).numpy())))
-        return out
+        views = [self._direct_view(loc, target) for loc, target in zip(locs, (dst.gate_up[:inter], dst.gate_up[inter:], dst.down))]
+        if any(v is None for v in views):
+            return None
+        return [(loc.path, loc.offset, view) for loc, view in zip(locs, views)]
 
     def read_range(self, path: str, offset: int, target: memoryview) -> int:
         """Read len(target) bytes of `path` at `offset` into `target`. Returns bytes read.

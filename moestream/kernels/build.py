@@ -45,8 +45,9 @@ def _cpu_tag() -> str:
 
 
 def _source_tag() -> str:
-    """A short hash of the kernels' sources and headers: torch's extension versioning hashes
-    the listed sources only, so an edited header would otherwise load a stale build."""
+    """A short hash of the compiler flags and the kernels' sources and headers: torch's
+    extension versioning hashes the listed sources only, so an edited header or flag would
+    otherwise load a stale build."""
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
     for path in _SOURCES + _HEADERS:
         with open(path, "rb") as f:
