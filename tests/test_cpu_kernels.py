@@ -153,6 +153,85 @@ def test_bad_layout_is_refused() -> None:
                          [2], 0, 1.0, 0.0, out)
 
 
+def _int_matrix(method, out: int, inp: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One compressed-tensors matrix's stored tensors: random integers of the method's bit
+    width (packed as llm-compressor packs them), bf16 scales, zero points when asymmetric."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    c = method.config
+    groups = -(-inp // c.group_size) if c.strategy == "group" else 1
+    lo, hi = -(2 ** (c.bits - 1)), 2 ** (c.bits - 1)
+    q = torch.randint(lo, hi, (out, inp), generator=g, dtype=torch.int8)
+    parts = {".weight_scale": (torch.rand(out, groups, generator=g) * 0.02 + 0.001).to(torch.bfloat16)}
+    if c.strategy == "tensor":
+        parts[".weight_scale"] = parts[".weight_scale"][0, :1].reshape(1)
+    if method.packed:
+        parts[".weight_packed"] = pack_to_int32(q, c.bits)
+    else:
+        parts[".weight"] = q
+    if not c.symmetric:
+        zp = torch.randint(lo, hi, (out, groups), generator=g, dtype=torch.int8)
+        parts[".weight_zero_point"] = pack_to_int32(zp, c.bits, packed_dim=0) if method.packed else zp
+    return parts
+
+
+INT_FORMATS = [  # (format, bits, strategy, group_size, symmetric, gate and up apart)
+    ("pack-quantized", 4, "group", 16, True, True), ("pack-quantized", 4, "group", 24, False, False),
+    ("pack-quantized", 4, "channel", 0, False, True), ("pack-quantized", 8, "group", 32, False, True),
+    ("int-quantized", 8, "channel", 0, True, False), ("int-quantized", 8, "tensor", 0, True, True),
+    ("naive-quantized", 8, "group", 16, False, True)]
+
+
+@pytest.mark.parametrize("fmt", INT_FORMATS, ids=lambda f: "-".join(map(str, f)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int_experts_equal_the_dequantized_bit_for_bit(fmt: tuple, dtype: torch.dtype) -> None:
+    """fused_moe_int on compressed-tensors int4 / int8 experts (read in place) equals
+    fused_moe on the same experts dequantized by `dequantize` (the PyTorch path's weights),
+    bit for bit; H and I that are not multiples of the SIMD width or of the group."""
+    from moestream.config.quantization import QuantizationConfig
+    from moestream.quantization.registry import make_quant_method
+
+    form, bits, strategy, group, symmetric, apart = fmt
+    method = make_quant_method(QuantizationConfig("compressed-tensors", format=form, bits=bits, strategy=strategy,
+                                                  group_size=group, symmetric=symmetric))
+    t, h, i, e, k = 5, 72, 40, 6, 2
+    x, _, _, _, ids, weights = _case(t, h, i, e, k, dtype, seed=3)
+    g = torch.Generator().manual_seed(7)
+    ints, gate_up, down = [], [], []
+    for _ in range(e):
+        blocks = [(_int_matrix(method, i, h, g), (i, h)), (_int_matrix(method, i, h, g), (i, h))] if apart else [
+            (_int_matrix(method, 2 * i, h, g), (2 * i, h))]
+        d = _int_matrix(method, h, i, g)
+        ints.append(([method.int_weights(p, shape) for p, shape in blocks], method.int_weights(d, (h, i))))
+        gate_up.append(torch.cat([method.dequantize(p, shape) for p, shape in blocks]).to(dtype))
+        down.append(method.dequantize(d, (h, i)).to(dtype))
+    order, token_of, counts = sort_by_expert(ids, e)
+    cl = counts.tolist()
+    active = [j for j, c in enumerate(cl) if c]
+    args = (None, token_of, weights.flatten()[order].contiguous(), [cl[j] for j in active], 0, 1.0, 0.0)
+    want = kernel.fused_moe(x, [gate_up[j] for j in active], [down[j] for j in active], *args,
+                            torch.zeros(x.shape))
+    got = kernel.fused_moe_int(x, [ints[j] for j in active], *args, torch.zeros(x.shape))
+    assert want.abs().sum() > 0
+    assert torch.equal(got, want)
+
+
+def test_int_experts_bad_input_is_refused() -> None:
+    from moestream.quantization.method import IntWeights
+
+    x = torch.randn(2, 32)
+    q = torch.zeros(64, 32, dtype=torch.int8)
+    ok = IntWeights((64, 32), q, torch.ones(64, 1), None, 8, 0, 0)
+    short = IntWeights((32, 32), torch.zeros(32, 8, dtype=torch.int8), torch.ones(32, 1), None, 8, 0, 0)
+    with pytest.raises(RuntimeError, match=r"down q\[0\] must be an integer \[32, >= 32 bytes\]"):
+        kernel.fused_moe_int(x, [([ok], short)], None, torch.tensor([0, 1]), torch.ones(2), [2], 0, 1.0, 0.0,
+                             torch.zeros(2, 32))
+    bad_scale = IntWeights((32, 32), torch.zeros(32, 32, dtype=torch.int8), torch.ones(32, 2), None, 8, 0, 0)
+    with pytest.raises(RuntimeError, match=r"down scale\[0\] must be a contiguous float32 \[32, 1\]"):
+        kernel.fused_moe_int(x, [([ok], bad_scale)], None, torch.tensor([0, 1]), torch.ones(2), [2], 0, 1.0, 0.0,
+                             torch.zeros(2, 32))
+
+
 # ---- in the engine ------------------------------------------------------------------
 
 

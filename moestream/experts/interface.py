@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 if TYPE_CHECKING:  # the command line's parser reads the policy names through this module, without torch
     import torch
 
+    from moestream.quantization.method import IntWeights
+
 ExpertKey = tuple[int, int]  # (layer, expert): one routed expert of one MoE layer, in every tier
 
 
@@ -35,11 +37,14 @@ PACKED_ALIGN = 16
 
 
 class Dequantizer(Protocol):
-    """dequantize({suffix: tensor}, (out, in)) -> W [out, in] float32 (a `QuantMethod`)."""
+    """dequantize({suffix: tensor}, (out, in)) -> W [out, in] float32 (a `QuantMethod`);
+    int_weights: the same W in the fused CPU kernel's integer form, or None."""
 
     name: str
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor: ...
+
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> IntWeights | None: ...
 
 
 @dataclass(frozen=True)

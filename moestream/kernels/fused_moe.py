@@ -1,6 +1,9 @@
 """The fused CPU MoE kernel: one call per MoE layer computes every active expert's gate_up,
 gated activation, down and weighted combine (`fused_moe_cpu.cpp`, a torch C++ operator
-`torch.ops.moestream_cpu.fused_moe`).
+`torch.ops.moestream_cpu.fused_moe`; `fused_moe_int` for weight-only int8 / int4 experts,
+read in place and dequantized a work item's rows at a time into a scratch that stays in
+cache, with the same dot products: its outputs equal `fused_moe`'s on the dequantized
+weights bit for bit).
 
 The operator is compiled on first use (`kernels/build.py`, `load_cpu_kernels`); without a
 compiler the executors keep the PyTorch path (`moe_runner_backend` "auto"). Its SIMD path
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from moestream.kernels.build import load_cpu_kernels
+from moestream.quantization.method import IntWeights
 
 # ExpertActivation.name -> the kernel's `act` code
 ACT_CODES = {"silu": 0, "swigluoai": 1}
@@ -48,4 +52,31 @@ def fused_moe(x: torch.Tensor, gate_up: Sequence[torch.Tensor], down: Sequence[t
     gu_bias, down_bias = bias if bias is not None else ([], [])
     torch.ops.moestream_cpu.fused_moe(x, list(gate_up), list(down), list(gu_bias), list(down_bias), token_of,
                                       pair_weight, list(counts), act, alpha, limit, out)
+    return out
+
+
+def fused_moe_int(x: torch.Tensor, experts: Sequence[tuple[list[IntWeights], IntWeights]],
+                  bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None, token_of: torch.Tensor,
+                  pair_weight: torch.Tensor, counts: Sequence[int], act: int, alpha: float, limit: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """`fused_moe` over weight-only integer experts: experts[e] = (gate_up in 1 or 2 row
+    blocks, down), as `quantization/packed.py`'s `int_expert` gives them (every block of one
+    bit width, flip and group size). The rest as `fused_moe`. Returns out.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts other than these (the operator's checks), or
+            a kernel that did not build.
+    """
+    if not load_cpu_kernels():
+        raise RuntimeError("the CPU kernels did not build (see the warning logged); use the PyTorch path")
+    gu_bias, down_bias = bias if bias is not None else ([], [])
+    blocks = [b for gate_up, _ in experts for b in gate_up]
+    downs = [d for _, d in experts]
+    first = downs[0]
+    zero = first.zero is not None
+    torch.ops.moestream_cpu.fused_moe_int(
+        x, [b.q for b in blocks], [b.scale for b in blocks], [b.zero for b in blocks] if zero else [],
+        len(experts[0][0]), [d.q for d in downs], [d.scale for d in downs], [d.zero for d in downs] if zero else [],
+        first.bits, first.flip, first.group_size, first.shape[1],
+        list(gu_bias), list(down_bias), token_of, pair_weight, list(counts), act, alpha, limit, out)
     return out

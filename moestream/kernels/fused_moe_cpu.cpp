@@ -10,6 +10,8 @@
 //   pair_weight   [P] float32  its routing weight
 //   counts        [E_active]   pairs per expert (sum = P)
 //   out           [T, H] float32, accumulated in place: out[t] += w * y
+// fused_moe_int takes the expert matrices as weight-only integers instead (IntMatrix below),
+// dequantized a work item's rows at a time into a scratch, then the same dot products.
 //
 // The arithmetic follows moestream's PyTorch path op for op (expert_swiglu + weighted_sum):
 // each projection accumulates in float32 and is rounded to the compute dtype, a bias is added
@@ -207,20 +209,127 @@ void activation(const float* h, int64_t I, int64_t act, float alpha, float limit
   }
 }
 
+// An expert matrix [N, K] stored as integers, weight-only quantized (compressed-tensors'
+// int-quantized / pack-quantized layouts): value q of row n, column k, then
+// W[n][k] = (q - zero[n][g]) * scale[n][g] in float32, g = k / group_size, rounded once to the
+// compute dtype -- the dequantization moestream's PyTorch path does (quantization/
+// compressed_tensors.py, then .to(dtype)), so a dequantized row equals that path's row bit for bit.
+//   bits 8: one byte per value, read as int8 after XOR with `flip` (0 for int8 storage,
+//           0x80 for pack-quantized's unsigned bytes offset by 128);
+//   bits 4: two values per byte, low nibble first, each minus 8 (pack-quantized int4).
+// A matrix may come in `blocks` row blocks of equal height (gate and up stored apart).
+struct IntMatrix {
+  const uint8_t* q[2];
+  int64_t ldq[2];  // bytes per row
+  const float* scale[2];  // [rows, G]
+  const float* zero[2];  // [rows, G], or null (symmetric)
+  int64_t block_rows;
+  int64_t group_size;  // columns per scale (K: one scale per row)
+  int64_t groups;  // G = ceil(K / group_size)
+};
+
+struct IntFormat {
+  int64_t bits, flip;
+};
+
+#if defined(__AVX512F__)
+// float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds a finite value (and
+// keeps denormals, which vcvtneps2bf16 would flush).
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+// 16 consecutive values from column k (k even for 4 bits) as int32 lanes.
+inline __m512i load_q16(const uint8_t* row, int64_t k, const IntFormat& f) {
+  if (f.bits == 8) {
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    b = _mm_xor_si128(b, _mm_set1_epi8(static_cast<char>(f.flip)));
+    return _mm512_cvtepi8_epi32(b);
+  }
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+  const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));  // low nibble first
+  return _mm512_sub_epi32(v, _mm512_set1_epi32(8));
+}
+#endif
+
+inline int32_t q_at(const uint8_t* row, int64_t k, const IntFormat& f) {
+  if (f.bits == 8) return static_cast<int8_t>(row[k] ^ static_cast<uint8_t>(f.flip));
+  const uint8_t b = row[k / 2];
+  return static_cast<int32_t>((k & 1) ? (b >> 4) : (b & 0x0F)) - 8;
+}
+
+// Rows [r0, r1) of `m` dequantized into dst [(r1 - r0), K] of the compute dtype.
+template <typename T>
+void dequant_rows(const IntMatrix& m, const IntFormat& f, int64_t r0, int64_t r1, int64_t K, T* dst) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t b = r / m.block_rows, rr = r % m.block_rows;
+    const uint8_t* row = m.q[b] + rr * m.ldq[b];
+    const float* sc = m.scale[b] + rr * m.groups;
+    const float* zp = m.zero[b] != nullptr ? m.zero[b] + rr * m.groups : nullptr;
+    T* out = dst + (r - r0) * K;
+    for (int64_t g = 0; g < m.groups; ++g) {
+      const int64_t k0 = g * m.group_size, k1 = std::min(K, k0 + m.group_size);
+      const float s = sc[g], z = zp != nullptr ? zp[g] : 0.f;
+      int64_t k = k0;
+#if defined(__AVX512F__)
+      if (f.bits == 8 || k0 % 2 == 0) {
+        const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+        if (zp == nullptr)
+          for (; k + 16 <= k1; k += 16) store16(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(load_q16(row, k, f)), vs));
+        for (; k + 16 <= k1; k += 16) {
+          const __m512 q = _mm512_cvtepi32_ps(load_q16(row, k, f));
+          store16(out + k, _mm512_mul_ps(_mm512_sub_ps(q, vz), vs));  // (q - z) * s: two roundings, as torch
+        }
+      }
+#endif
+      for (; k < k1; ++k) {
+        const float q = static_cast<float>(q_at(row, k, f));
+        volatile float d = q - z;  // rounded on its own (exact for these integers), then the product
+        out[k] = cast<T>(d * s);
+      }
+    }
+  }
+}
+
+// Where project reads expert e's weight rows: dense [N, K] in the compute dtype, or integers
+// dequantized a work item's rows at a time into a scratch that stays in cache.
+template <typename T>
+struct Weights {
+  const std::vector<const T*>* dense = nullptr;
+  const std::vector<IntMatrix>* ints = nullptr;
+  IntFormat format{};
+};
+
 // One projection of every expert's rows: out[p] (float32 [P, N], values at the compute
 // dtype's precision) = round(A[p] . W_e) (+ bias_e, rounded again) for the pairs p of expert
 // e, A [P, K] grouped by expert (start[e], counts[e]), W_e [N, K]. Work items: (expert,
-// COL_CHUNK columns).
+// COL_CHUNK columns). A dot product sums the same whether its row was read in place or
+// dequantized into the scratch (its order depends only on K).
 template <typename T>
-void project(const T* A, int64_t K, const std::vector<const T*>& W, const std::vector<const T*>* bias, int64_t N,
+void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const T*>* bias, int64_t N,
              const std::vector<int64_t>& start, const std::vector<int64_t>& counts, float* out) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t chunks = (N + COL_CHUNK - 1) / COL_CHUNK;
   at::parallel_for(0, E * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<T> scratch(W.ints != nullptr ? COL_CHUNK * K : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / chunks, j0 = i % chunks * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, N);
       if (counts[e] == 0) continue;
-      gemm_nt<T>(A + start[e] * K, K, counts[e], W[e], N, K, j0, j1, out + start[e] * N, N);
+      if (W.ints != nullptr) {
+        dequant_rows<T>((*W.ints)[e], W.format, j0, j1, K, scratch.data());
+        gemm_nt<T>(A + start[e] * K, K, counts[e], scratch.data(), j1 - j0, K, 0, j1 - j0,
+                   out + start[e] * N + j0, N);
+      } else {
+        gemm_nt<T>(A + start[e] * K, K, counts[e], (*W.dense)[e], N, K, j0, j1, out + start[e] * N, N);
+      }
       for (int64_t p = start[e]; p < start[e] + counts[e]; ++p)
         for (int64_t j = j0; j < j1; ++j) {
           float v = round_to<T>(out[p * N + j]);
@@ -232,13 +341,13 @@ void project(const T* A, int64_t K, const std::vector<const T*>& W, const std::v
 }
 
 template <typename T>
-void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
+void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>& w2, int64_t I,
                     at::TensorList gate_up_bias, at::TensorList down_bias,
                     const at::Tensor& token_of, const at::Tensor& pair_weight, const std::vector<int64_t>& counts,
                     int64_t act, float alpha, float limit, const at::Tensor& out) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t H = x.size(1);
-  const int64_t I2 = gate_up[0].size(0), I = I2 / 2;
+  const int64_t I2 = 2 * I;
   const bool bias = !gate_up_bias.empty();
   std::vector<int64_t> start(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
@@ -248,14 +357,10 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
   const float* w = pair_weight.data_ptr<float>();
   const T* xd = x.data_ptr<T>();
   float* od = out.data_ptr<float>();
-  std::vector<const T*> w1(E), w2(E), b1(E, nullptr), b2(E, nullptr);
-  for (int64_t e = 0; e < E; ++e) {
-    w1[e] = gate_up[e].data_ptr<T>();
-    w2[e] = down[e].data_ptr<T>();
-    if (bias) {
-      b1[e] = gate_up_bias[e].data_ptr<T>();
-      b2[e] = down_bias[e].data_ptr<T>();
-    }
+  std::vector<const T*> b1(E, nullptr), b2(E, nullptr);
+  for (int64_t e = 0; e < E && bias; ++e) {
+    b1[e] = gate_up_bias[e].data_ptr<T>();
+    b2[e] = down_bias[e].data_ptr<T>();
   }
   const int64_t ldx = x.stride(0);
   // 1. gate_up of every pair: h [P, 2I] float32, then the activation into a [P, I] (compute dtype)
@@ -291,24 +396,65 @@ void fused_moe_impl(const at::Tensor& x, at::TensorList gate_up, at::TensorList 
   });
 }
 
+// The checks every entry point shares: x, out, counts, biases, the pairs. Returns P.
+int64_t check_layer(const char* op, const at::Tensor& x, int64_t E, int64_t I, at::TensorList gate_up_bias,
+                    at::TensorList down_bias, const at::Tensor& token_of, const at::Tensor& pair_weight,
+                    at::IntArrayRef counts, int64_t act, const at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [T, H] with contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == x.size(1) && out.stride(1) == 1,
+              op, ": out must be float32 [T, H] with contiguous rows");
+  TORCH_CHECK(E > 0 && static_cast<int64_t>(counts.size()) == E, op, ": one count per expert");
+  TORCH_CHECK(gate_up_bias.size() == down_bias.size() && (gate_up_bias.empty() || (int64_t)gate_up_bias.size() == E),
+              op, ": biases for every expert or for none");
+  TORCH_CHECK(act == 0 || act == 1, op, ": act must be 0 (silu) or 1 (swigluoai)");
+  const int64_t H = x.size(1);
+  for (int64_t e = 0; e < E && !gate_up_bias.empty(); ++e)
+    TORCH_CHECK(gate_up_bias[e].is_contiguous() && gate_up_bias[e].numel() == 2 * I && down_bias[e].is_contiguous() &&
+                    down_bias[e].numel() == H && gate_up_bias[e].scalar_type() == x.scalar_type() &&
+                    down_bias[e].scalar_type() == x.scalar_type(),
+                op, ": bias ", e, " must be contiguous [2I] and [H] in x's dtype");
+  int64_t P = 0;
+  for (auto c : counts) {
+    TORCH_CHECK(c >= 0, op, ": negative count");
+    P += c;
+  }
+  TORCH_CHECK(token_of.scalar_type() == at::kLong && token_of.is_contiguous() && token_of.numel() == P,
+              op, ": token_of must be contiguous int64 [sum(counts)]");
+  TORCH_CHECK(pair_weight.scalar_type() == at::kFloat && pair_weight.is_contiguous() && pair_weight.numel() == P,
+              op, ": pair_weight must be contiguous float32 [sum(counts)]");
+  const int64_t* tok = token_of.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p)
+    TORCH_CHECK(tok[p] >= 0 && tok[p] < x.size(0), op, ": token_of[", p, "] = ", tok[p], " is not a row of x");
+  return P;
+}
+
+template <typename T>
+void run_dense(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, int64_t I,
+               at::TensorList gate_up_bias, at::TensorList down_bias, const at::Tensor& token_of,
+               const at::Tensor& pair_weight, const std::vector<int64_t>& cv, int64_t act, double alpha, double limit,
+               const at::Tensor& out) {
+  const int64_t E = static_cast<int64_t>(cv.size());
+  std::vector<const T*> p1(E), p2(E);
+  for (int64_t e = 0; e < E; ++e) p1[e] = gate_up[e].data_ptr<T>(), p2[e] = down[e].data_ptr<T>();
+  Weights<T> w1, w2;
+  w1.dense = &p1, w2.dense = &p2;
+  fused_moe_impl<T>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
+                    (float)limit, out);
+}
+
 void fused_moe(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, at::TensorList gate_up_bias,
                at::TensorList down_bias,
                const at::Tensor& token_of, const at::Tensor& pair_weight, at::IntArrayRef counts, int64_t act,
                double alpha, double limit, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "fused_moe: x must be [T, H] with contiguous rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "fused_moe: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == x.size(1) && out.stride(1) == 1,
-              "fused_moe: out must be float32 [T, H] with contiguous rows");
   const int64_t E = static_cast<int64_t>(counts.size());
   TORCH_CHECK(E > 0 && static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
               "fused_moe: one gate_up and one down per count");
-  TORCH_CHECK(gate_up_bias.size() == down_bias.size() && (gate_up_bias.empty() || (int64_t)gate_up_bias.size() == E),
-              "fused_moe: biases for every expert or for none");
-  TORCH_CHECK(act == 0 || act == 1, "fused_moe: act must be 0 (silu) or 1 (swigluoai)");
   const int64_t H = x.size(1), I2 = gate_up[0].size(0);
   TORCH_CHECK(I2 % 2 == 0, "fused_moe: gate_up must have 2I rows");
+  check_layer("fused_moe", x, E, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, counts, act, out);
   for (int64_t e = 0; e < E; ++e) {
     TORCH_CHECK(gate_up[e].scalar_type() == x.scalar_type() && down[e].scalar_type() == x.scalar_type(),
                 "fused_moe: expert weights must be in x's dtype");
@@ -317,31 +463,93 @@ void fused_moe(const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
                 "fused_moe: gate_up[", e, "] must be a contiguous [2I, H]");
     TORCH_CHECK(down[e].is_contiguous() && down[e].dim() == 2 && down[e].size(0) == H && down[e].size(1) == I2 / 2,
                 "fused_moe: down[", e, "] must be a contiguous [H, I]");
-    if (!gate_up_bias.empty())
-      TORCH_CHECK(gate_up_bias[e].is_contiguous() && gate_up_bias[e].numel() == I2 && down_bias[e].is_contiguous() &&
-                      down_bias[e].numel() == H && gate_up_bias[e].scalar_type() == x.scalar_type() &&
-                      down_bias[e].scalar_type() == x.scalar_type(),
-                  "fused_moe: bias ", e, " must be contiguous [2I] and [H] in x's dtype");
   }
-  int64_t P = 0;
-  for (auto c : counts) {
-    TORCH_CHECK(c >= 0, "fused_moe: negative count");
-    P += c;
-  }
-  TORCH_CHECK(token_of.scalar_type() == at::kLong && token_of.is_contiguous() && token_of.numel() == P,
-              "fused_moe: token_of must be contiguous int64 [sum(counts)]");
-  TORCH_CHECK(pair_weight.scalar_type() == at::kFloat && pair_weight.is_contiguous() && pair_weight.numel() == P,
-              "fused_moe: pair_weight must be contiguous float32 [sum(counts)]");
-  const int64_t* tok = token_of.data_ptr<int64_t>();
-  for (int64_t p = 0; p < P; ++p)
-    TORCH_CHECK(tok[p] >= 0 && tok[p] < x.size(0), "fused_moe: token_of[", p, "] = ", tok[p], " is not a row of x");
   std::vector<int64_t> cv(counts.begin(), counts.end());
   if (x.scalar_type() == at::kFloat)
-    fused_moe_impl<float>(x, gate_up, down, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
-                          (float)limit, out);
+    run_dense<float>(x, gate_up, down, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, cv, act, alpha, limit,
+                     out);
   else
-    fused_moe_impl<bf16>(x, gate_up, down, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
+    run_dense<bf16>(x, gate_up, down, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, cv, act, alpha, limit,
+                    out);
+}
+
+// One projection's integer matrices, checked: q[e * blocks + b] [rows, >= K * bits / 8 bytes]
+// with contiguous rows (any integer dtype: its bytes are read), scale / zero [rows, G] float32,
+// G = ceil(K / group_size) (group_size 0: one scale per row).
+std::vector<IntMatrix> int_matrices(const char* what, at::TensorList q, at::TensorList scale, at::TensorList zero,
+                                    int64_t E, int64_t blocks, int64_t N, int64_t K, const IntFormat& f,
+                                    int64_t f_group_size) {
+  TORCH_CHECK(blocks == 1 || blocks == 2, "fused_moe_int: ", what, " comes in 1 or 2 row blocks");
+  TORCH_CHECK(N % blocks == 0, "fused_moe_int: ", what, " rows do not split into ", blocks, " blocks");
+  TORCH_CHECK((int64_t)q.size() == E * blocks && (int64_t)scale.size() == E * blocks &&
+                  (zero.empty() || (int64_t)zero.size() == E * blocks),
+              "fused_moe_int: ", what, " needs ", E * blocks, " q and scale tensors (and zero points or none)");
+  const int64_t gs = f_group_size > 0 ? f_group_size : K;
+  const int64_t rows = N / blocks, G = (K + gs - 1) / gs;
+  std::vector<IntMatrix> m(E);
+  for (int64_t e = 0; e < E; ++e) {
+    m[e].block_rows = rows;
+    m[e].group_size = gs;
+    m[e].groups = G;
+    for (int64_t b = 0; b < 2; ++b) m[e].q[b] = nullptr, m[e].scale[b] = nullptr, m[e].zero[b] = nullptr, m[e].ldq[b] = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const at::Tensor& t = q[e * blocks + b];
+      const int64_t row_bytes = t.dim() == 2 ? t.size(1) * t.element_size() : 0;
+      TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.stride(1) == 1 && !t.is_floating_point() &&
+                      row_bytes * 8 >= K * f.bits,
+                  "fused_moe_int: ", what, " q[", e * blocks + b, "] must be an integer [", rows, ", >= ",
+                  K * f.bits / 8, " bytes] with contiguous rows");
+      m[e].q[b] = static_cast<const uint8_t*>(t.data_ptr());
+      m[e].ldq[b] = t.stride(0) * t.element_size();
+      const at::Tensor& s = scale[e * blocks + b];
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 && s.size(0) == rows &&
+                      s.size(1) == G,
+                  "fused_moe_int: ", what, " scale[", e * blocks + b, "] must be a contiguous float32 [", rows, ", ",
+                  G, "]");
+      m[e].scale[b] = s.data_ptr<float>();
+      if (!zero.empty()) {
+        const at::Tensor& z = zero[e * blocks + b];
+        TORCH_CHECK(z.scalar_type() == at::kFloat && z.is_contiguous() && z.sizes() == s.sizes(),
+                    "fused_moe_int: ", what, " zero[", e * blocks + b, "] must be float32 like its scale");
+        m[e].zero[b] = z.data_ptr<float>();
+      }
+    }
+  }
+  return m;
+}
+
+// fused_moe on weight-only integer experts (see IntMatrix): gate_up [2I, H] in `gate_up_blocks`
+// row blocks (2: gate then up, each [I, H]), down [H, I]; results as fused_moe on the
+// dequantized weights, bit for bit.
+void fused_moe_int(const at::Tensor& x, at::TensorList gate_up_q, at::TensorList gate_up_scale,
+                   at::TensorList gate_up_zero, int64_t gate_up_blocks, at::TensorList down_q,
+                   at::TensorList down_scale, at::TensorList down_zero, int64_t bits, int64_t flip,
+                   int64_t group_size, int64_t intermediate, at::TensorList gate_up_bias, at::TensorList down_bias,
+                   const at::Tensor& token_of, const at::Tensor& pair_weight, at::IntArrayRef counts, int64_t act,
+                   double alpha, double limit, const at::Tensor& out) {
+  const int64_t E = static_cast<int64_t>(counts.size()), I = intermediate;
+  TORCH_CHECK(I > 0, "fused_moe_int: intermediate must be positive");
+  TORCH_CHECK((bits == 8 && (flip == 0 || flip == 0x80)) || (bits == 4 && flip == 0),
+              "fused_moe_int: bits must be 8 (flip 0 or 128) or 4 (flip 0)");
+  TORCH_CHECK(group_size >= 0, "fused_moe_int: group_size must be >= 0 (0: one scale per row)");
+  check_layer("fused_moe_int", x, E, I, gate_up_bias, down_bias, token_of, pair_weight, counts, act, out);
+  const int64_t H = x.size(1);
+  const IntFormat f{bits, flip};
+  const std::vector<IntMatrix> m1 = int_matrices("gate_up", gate_up_q, gate_up_scale, gate_up_zero, E,
+                                                 gate_up_blocks, 2 * I, H, f, group_size);
+  const std::vector<IntMatrix> m2 = int_matrices("down", down_q, down_scale, down_zero, E, 1, H, I, f, group_size);
+  std::vector<int64_t> cv(counts.begin(), counts.end());
+  if (x.scalar_type() == at::kFloat) {
+    Weights<float> w1, w2;
+    w1.ints = &m1, w2.ints = &m2, w1.format = w2.format = f;
+    fused_moe_impl<float>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
+                          (float)limit, out);
+  } else {
+    Weights<bf16> w1, w2;
+    w1.ints = &m1, w2.ints = &m2, w1.format = w2.format = f;
+    fused_moe_impl<bf16>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
                          (float)limit, out);
+  }
 }
 
 // The instruction set this build uses (for the log and the tests).
@@ -378,8 +586,15 @@ int64_t parallel_threads() {
 TORCH_LIBRARY(moestream_cpu, m) {
   m.def("fused_moe(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor[] gate_up_bias, Tensor[] down_bias, "
         "Tensor token_of, Tensor pair_weight, int[] counts, int act, float alpha, float limit, Tensor(a!) out) -> ()");
+  m.def("fused_moe_int(Tensor x, Tensor[] gate_up_q, Tensor[] gate_up_scale, Tensor[] gate_up_zero, "
+        "int gate_up_blocks, Tensor[] down_q, Tensor[] down_scale, Tensor[] down_zero, int bits, int flip, "
+        "int group_size, int intermediate, Tensor[] gate_up_bias, Tensor[] down_bias, Tensor token_of, "
+        "Tensor pair_weight, int[] counts, int act, float alpha, float limit, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
   m.def("parallel_threads() -> int", &parallel_threads);
 }
 
-TORCH_LIBRARY_IMPL(moestream_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(moestream_cpu, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("fused_moe_int", &fused_moe_int);
+}

@@ -39,10 +39,11 @@ from torch import nn
 from moestream.config import ExpertActivation
 from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
-from moestream.kernels.fused_moe import ACT_CODES, fused_moe
+from moestream.kernels.fused_moe import ACT_CODES, fused_moe, fused_moe_int
 from moestream.layers.activation import gated_activation
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
-from moestream.quantization.packed import dequantize_expert
+from moestream.quantization.method import IntWeights
+from moestream.quantization.packed import dequantize_expert, int_expert
 
 
 SWIGLU = ExpertActivation()
@@ -131,24 +132,38 @@ def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]
     return active > 0 and sum(counts) <= FUSED_MAX_MEAN_ROWS[x.dtype] * active
 
 
+FusedOperands = list[ExpertWeights] | list[tuple[list[IntWeights], IntWeights]]
+
+
 def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, starts: list[int],
-               counts: list[int], experts: list[int], weights: list[ExpertWeights], act: ExpertActivation,
+               counts: list[int], experts: list[int], weights: FusedOperands, act: ExpertActivation,
                bias: ExpertBias | None, out: torch.Tensor) -> torch.Tensor:
-    """`fused_moe` over `experts` (ascending ids; their sorted pairs are token_of[starts[e]:
-    starts[e + 1]], contiguous since the ids ascend) with `weights` in the same order; adds
-    into out [T, H] float32 and returns it."""
+    """`fused_moe` (dense weights) or `fused_moe_int` (integer experts, `int_expert`'s) over
+    `experts` (ascending ids; their sorted pairs are token_of[starts[e]: starts[e + 1]],
+    contiguous since the ids ascend) with `weights` in the same order (`_fused_operands`);
+    adds into out [T, H] float32 and returns it."""
     lo, hi = starts[experts[0]], starts[experts[-1] + 1]
     b = None if bias is None else ([bias.gate_up_proj_bias[e] for e in experts],
                                     [bias.down_proj_bias[e] for e in experts])
-    return fused_moe(x.contiguous(), [w.gate_up for w in weights], [w.down for w in weights], b,
-                     token_of[lo:hi], pair_weight[lo:hi].contiguous(), [counts[e] for e in experts],
-                     ACT_CODES[act.name], act.alpha, act.limit, out)
+    args = (token_of[lo:hi], pair_weight[lo:hi].contiguous(), [counts[e] for e in experts], ACT_CODES[act.name],
+            act.alpha, act.limit, out)
+    if isinstance(weights[0], ExpertWeights):
+        return fused_moe(x.contiguous(), [w.gate_up for w in weights], [w.down for w in weights], b, *args)
+    return fused_moe_int(x.contiguous(), weights, b, *args)
 
 
-def _fusable(weights: list[ExpertWeights | PackedExpert], dtype: torch.dtype) -> bool:
-    """Whether the fused kernel can read these weights: unpacked, contiguous, in `dtype`."""
-    return all(isinstance(w, ExpertWeights) and w.gate_up.dtype == dtype and w.gate_up.is_contiguous()
-               and w.down.is_contiguous() for w in weights)
+def _fused_operands(weights: list[ExpertWeights | PackedExpert], dtype: torch.dtype) -> FusedOperands | None:
+    """What the fused kernel reads for these experts: the weights themselves when unpacked,
+    contiguous and in `dtype`; each packed expert's integer matrices (`int_expert`) when its
+    format has them; else None (the per-expert path)."""
+    if all(isinstance(w, ExpertWeights) and w.gate_up.dtype == dtype and w.gate_up.is_contiguous()
+           and w.down.is_contiguous() for w in weights):
+        return weights
+    if all(isinstance(w, PackedExpert) for w in weights):
+        ints = [int_expert(w) for w in weights]
+        if all(i is not None for i in ints):
+            return ints
+    return None
 
 
 @functools.cache
@@ -196,7 +211,13 @@ class ResidentExpertExecutor:
             counts_list = counts.tolist()
             active = [e for e, c in enumerate(counts_list) if c]
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
-            experts = dict(zip(active, self.store.ensure(self.layer_idx, active)))
+            ensured = self.store.ensure(self.layer_idx, active)
+            if fused_applies(self.fused, self.row_tile, x, counts_list):
+                operands = _fused_operands(ensured, x.dtype)
+                if operands is not None:
+                    return _run_fused(x, token_of, topk_weights.flatten()[order], [0, *itertools.accumulate(counts_list)],
+                                      counts_list, active, operands, self.act, self.bias, out)
+            experts = dict(zip(active, ensured))
             return _loop(x, token_of, topk_weights.flatten()[order], counts_list, active, experts.__getitem__,
                          self.row_tile, out, self.act, self.bias)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
@@ -298,8 +319,9 @@ class PagedExpertExecutor:
             ensured = self.store.ensure(self.layer_idx, chunk)
             if w0 == 0 and self.lookahead is not None and self.store.lookahead:
                 self._prefetch_next_layer(x)
-            if fused and _fusable(ensured, x.dtype):
-                _run_fused(x, token_of, pair_weight, starts, counts_list, chunk, ensured, self.act, self.bias, out)
+            operands = _fused_operands(ensured, x.dtype) if fused else None
+            if operands is not None:
+                _run_fused(x, token_of, pair_weight, starts, counts_list, chunk, operands, self.act, self.bias, out)
             else:
                 weights = dict(zip(chunk, ensured))
                 _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out,

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from moestream.config.quantization import QuantizationConfig
-from moestream.quantization.method import Float8Decoder, PartSpec, TensorIndex, cdiv, check_float8
+from moestream.quantization.method import Float8Decoder, IntWeights, PartSpec, TensorIndex, cdiv, check_float8
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,6 +72,32 @@ class CompressedTensorsMethod:
         if not c.symmetric:
             parts[".weight_zero_point"] = PartSpec(((out, self._groups(inp)),), (torch.int8,))
         return parts
+
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> IntWeights | None:
+        """W as `IntWeights` (int8 or int4 values read in place; scales and zero points made
+        float32 [out, G]), equal to `dequantize`'s W; None for FP8 weights, other bit widths,
+        and an asymmetric "tensor" strategy (whose zero point `dequantize` does not read)."""
+        c, (out, inp) = self.config, shape
+        if c.weight_type == "float" or c.bits not in (4, 8) or (not self.packed and c.bits != 8):
+            return None
+        zp = parts.get(".weight_zero_point")
+        if c.strategy == "tensor" and zp is not None:
+            return None
+        scale = parts[".weight_scale"].float()
+        if c.strategy == "tensor":
+            scale, group_size = scale.reshape(1, 1).expand(out, 1), 0
+        elif c.strategy == "channel":
+            scale, group_size = scale.reshape(out, 1), 0
+        else:
+            group_size = c.group_size
+        zero = None
+        if zp is not None:
+            if self.packed:
+                zp = self._unpack(zp, c.bits, torch.Size((out, self._groups(inp))), packed_dim=0)  # [out, G]
+            zero = zp.float().reshape(scale.shape).contiguous()
+        q = parts[".weight_packed"] if self.packed else parts[".weight"]
+        flip = 0x80 if self.packed and c.bits == 8 else 0  # pack-quantized int8: unsigned bytes offset by 128
+        return IntWeights(shape, q, scale.contiguous(), zero, c.bits, flip, group_size)
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """W [out, in] float32 = (q - zero_point) * scale, per group of `group_size` columns."""

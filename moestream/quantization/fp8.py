@@ -45,6 +45,10 @@ class Fp8Method:
             scale = PartSpec(((), (1,)), SCALE_DTYPES)
         return {".weight": PartSpec(((out, inp),), (torch.float8_e4m3fn,)), self.scale_suffix: scale}
 
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """None: FP8 values: the kernel reads integers."""
+        return None
+
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """W [out, in] float32 = weight * its block's scale."""
         out, inp = shape

@@ -50,6 +50,10 @@ class GPTQMethod:
                 ".scales": PartSpec(((g, out),), SCALE_DTYPES),
                 ".g_idx": PartSpec(((inp,),), (torch.int32, torch.int64))}
 
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """None: GPTQ packs along the input dimension (qweight [in / 8, out]): no contiguous rows."""
+        return None
+
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """W [out, in] float32 from qweight, qzeros, scales and g_idx."""
         out, inp = shape

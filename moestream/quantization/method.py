@@ -27,6 +27,28 @@ class PartSpec:
     dtypes: tuple[torch.dtype, ...]
 
 
+@dataclass(frozen=True)
+class IntWeights:
+    """A weight-only integer matrix W [out, in] in the form the fused CPU kernel reads
+    (`kernels/fused_moe.py`, `fused_moe_int`): W = (q - zero) * scale in float32, one scale
+    (and zero point) per `group_size` columns of a row (0: one per row).
+
+    q: [out, >= in * bits / 8 bytes], any integer dtype (its bytes are read), contiguous rows.
+        bits 8: a byte per value, read as int8 after XOR with `flip` (0; 128 for unsigned
+        bytes offset by 128); bits 4: two values per byte, low nibble first, each minus 8.
+    scale: [out, G] float32, G = ceil(in / group_size). zero: [out, G] float32, or None
+    (symmetric). shape: (out, in).
+    """
+
+    shape: tuple[int, int]
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    flip: int
+    group_size: int
+
+
 class TensorIndex(Protocol):
     """The loader's view of a checkpoint: which tensors it holds and their dtypes."""
 
@@ -44,6 +66,8 @@ class QuantMethod(Protocol):
     is_quantized(index, base) -> whether weight `base` is stored quantized in the checkpoint.
     parts(base, shape) -> {suffix: PartSpec} of the tensors holding W [out, in] = shape.
     dequantize(parts, shape) -> W [out, in] float32 from {suffix: tensor}, exactly.
+    int_weights(parts, shape) -> the same W as `IntWeights` for the fused CPU kernel, or None
+        where the format has no such form (FP8, FP4, GPTQ's transposed packing).
     """
 
     name: str
@@ -55,6 +79,8 @@ class QuantMethod(Protocol):
     def parts(self, base: str, shape: tuple[int, int]) -> dict[str, PartSpec]: ...
 
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor: ...
+
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> IntWeights | None: ...
 
 
 def cdiv(a: int, b: int) -> int:

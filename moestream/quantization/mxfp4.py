@@ -39,6 +39,10 @@ class MXFP4Method:
         return {"_blocks": PartSpec(((out, inp // BLOCK, BLOCK // 2),), (torch.uint8,)),
                 "_scales": PartSpec(((out, inp // BLOCK),), (torch.uint8,))}
 
+    def int_weights(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> None:
+        """None: FP4 values: the kernel reads integers."""
+        return None
+
     def dequantize(self, parts: Mapping[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
         """W [out, in] float32 from e2m1 nibbles and e8m0 block exponents."""
         out, inp = shape

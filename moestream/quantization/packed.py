@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moestream.experts.interface import PACKED_ALIGN, ExpertWeights, PackedExpert, PackedLayout, PackedPart
-from moestream.quantization.method import QuantMethod
+from moestream.quantization.method import IntWeights, QuantMethod
 
 
 def packed_layout(method: QuantMethod, matrices: tuple[tuple[str, tuple[int, int]], ...],
@@ -31,3 +31,18 @@ def dequantize_expert(expert: PackedExpert, dtype: torch.dtype) -> ExpertWeights
     dense = {name: layout.method.dequantize(layout.views(expert.data, name), shape) for name, shape in layout.matrices}
     gate_up = dense["gate_up"] if "gate_up" in dense else torch.cat((dense["gate"], dense["up"]))
     return ExpertWeights(gate_up.to(dtype), dense["down"].to(dtype))
+
+
+def int_expert(expert: PackedExpert) -> tuple[list[IntWeights], IntWeights] | None:
+    """The expert as the fused CPU kernel's integer matrices: (gate_up as one block [2I, H]
+    or two, gate then up [I, H] each; down [H, I]), all of one bit width, flip and group
+    size; None when its format has no integer form (`QuantMethod.int_weights`)."""
+    layout = expert.layout
+    mats = {name: layout.method.int_weights(layout.views(expert.data, name), shape) for name, shape in layout.matrices}
+    if any(m is None for m in mats.values()):
+        return None
+    first = next(iter(mats.values()))
+    if any((m.bits, m.flip, m.group_size) != (first.bits, first.flip, first.group_size) for m in mats.values()):
+        return None
+    gate_up = [mats["gate_up"]] if "gate_up" in mats else [mats["gate"], mats["up"]]
+    return gate_up, mats["down"]
