@@ -16,6 +16,7 @@ from parity import LogitsRecorder, check_all, greedy_params
 
 import moestream.layers.attention_backend as attention_module
 import moestream.layers.expert_executor as executor_module
+import moestream.layers.linear as linear_module
 from moestream import LLM
 from moestream.config import EngineConfig, ExpertActivation
 from moestream.engine import builder
@@ -232,6 +233,28 @@ def test_int_experts_bad_input_is_refused() -> None:
                              torch.zeros(2, 32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_is_exact_and_batch_invariant(dtype: torch.dtype) -> None:
+    """cpu_linear: within float32 rounding of the float64 product (bf16: within one bf16
+    step of it), and each row's output the same whether computed alone or among 1-37 rows
+    (N not a multiple of the column chunk, K not of the SIMD width)."""
+    from moestream.kernels.linear import cpu_linear
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 200, generator=g).to(dtype)
+    w = (torch.randn(1000, 200, generator=g) / 200**0.5).to(dtype)
+    got = cpu_linear(x, w)
+    exact = x.double() @ w.double().T
+    assert got.dtype == dtype and got.shape == (37, 1000)
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7
+    assert ((got.double() - exact).abs() <= tol * exact.abs() + tol).all()
+    for m in (1, 2, 3, 4, 5, 16):
+        assert torch.equal(cpu_linear(x[:m].contiguous(), w), got[:m])
+    assert torch.equal(cpu_linear(x[7:8].contiguous(), w), got[7:8])
+    with pytest.raises(RuntimeError, match="weight must be a contiguous"):
+        cpu_linear(x, w.t().contiguous().t())
+
+
 # ---- in the engine ------------------------------------------------------------------
 
 
@@ -274,16 +297,20 @@ def test_paged_equals_resident_bit_for_bit(gpt_oss_dir: str, kernel_calls: list[
         assert all(torch.equal(a, b) for a, b in zip(r1.logits, r2.logits))
 
 
-@pytest.mark.parametrize(("moe", "attention"), [("torch", "torch_sdpa"), ("fused_cpu", "cpu_paged")])
-def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: str, kernel_calls: list[int],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("moe", "attention", "gemm"), [("torch", "torch_sdpa", "torch"),
+                                                        ("fused_cpu", "cpu_paged", "cpu")])
+def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: str, gemm: str,
+                                       kernel_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     attention_calls = _count_calls(monkeypatch, attention_module, "paged_decode_attention")
+    gemm_calls = _count_calls(monkeypatch, linear_module, "cpu_linear")
     prompts = parity_prompts()
-    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention)
+    llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention,
+              gemm_backend=gemm)
     report = check_all(prompts, _generate(llm, prompts, NUM_NEW_TOKENS), HFReference(qwen3_moe_dir), moe)
     assert report.max_logit_diff < 1e-4
     assert (kernel_calls[0] > 0) == (moe == "fused_cpu")
     assert (attention_calls[0] > 0) == (attention == "cpu_paged")
+    assert (gemm_calls[0] > 0) == (gemm == "cpu")
 
 
 def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,6 +328,9 @@ def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="runs on CPU in float32 or bfloat16"):
         use_fused_moe("fused_cpu", torch.device("meta"), f32, False)
     assert use_cpu_kernel("auto", "attention_backend", "cpu_paged", cpu, f32, False)
+    assert use_cpu_kernel("auto", "gemm_backend", "cpu", cpu, f32, False)
+    with pytest.raises(ValueError, match="gemm_backend cpu is not batch-invariant"):
+        use_cpu_kernel("cpu", "gemm_backend", "cpu", cpu, f32, True)
     assert not use_cpu_kernel("torch_sdpa", "attention_backend", "cpu_paged", cpu, f32, False)
     with pytest.raises(ValueError, match="unknown moe_runner_backend 'triton'"):
         EngineConfig(model="any", moe_runner_backend="triton")

@@ -155,6 +155,12 @@ class EngineConfig:
                                             "torch_sdpa = blocks gathered, then scaled_dot_product_attention; "
                                             "auto = cpu_paged on CPU in float32/bf16 when it compiles",
                                     choices=("auto", "torch_sdpa", "cpu_paged"))
+    gemm_backend: str = option("auto", "dense linear layers' kernel for calls of few rows: cpu = moestream's C++ "
+                                       "GEMM on unpacked float32/bf16 weights (up to 8 rows; the lm_head up to 64), "
+                                       "compiled on first use; torch = F.linear (MKL / oneDNN); auto = cpu on CPU "
+                                       "in float32/bf16 when it compiles (bf16 weights prepacked for oneDNN keep "
+                                       "oneDNN)",
+                               choices=("auto", "torch", "cpu"))
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '
@@ -288,6 +294,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be a positive integer (bytes), got {self.kv_cache_memory_bytes!r}")
         if self.moe_runner_backend not in ("auto", "torch", "fused_cpu"):
             raise ValueError(f"unknown moe_runner_backend '{self.moe_runner_backend}'; use auto, torch or fused_cpu")
+        if self.gemm_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"unknown gemm_backend '{self.gemm_backend}'; use auto, torch or cpu")
         if self.attention_backend not in ("auto", "torch_sdpa", "cpu_paged"):
             raise ValueError(f"unknown attention_backend '{self.attention_backend}'; use auto, torch_sdpa or cpu_paged")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):

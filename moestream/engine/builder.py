@@ -40,7 +40,8 @@ from moestream.generation_config import default_sampling_fields
 from moestream.kernels.build import load_cpu_kernels
 from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.moe import SparseMoE
-from moestream.layers.linear import BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading
+from moestream.layers.linear import (BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading,
+                                     set_cpu_gemm)
 from moestream.loader import (
     CheckpointReader,
     build_model,
@@ -210,6 +211,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     fused_moe = use_cpu_kernel(config.moe_runner_backend, "moe_runner_backend", "fused_cpu", device, dtype,
                                config.batch_invariant)
     model.set_fused_moe(fused_moe)
+    cpu_gemm = use_cpu_kernel(config.gemm_backend, "gemm_backend", "cpu", device, dtype, config.batch_invariant)
     expert_mode = _make_expert_mode(config, store, mcfg, model)
     model.set_routing_modifier(expert_mode)
     if plan.resident and packed:
@@ -220,6 +222,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend(), method) if (
         sc is not None and sc.method == "mtp") else None
     packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
+    for module in (model, mtp):
+        if module is not None:
+            set_cpu_gemm(module, cpu_gemm)
     if packed:
         logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)
 
@@ -332,8 +337,8 @@ def make_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int) 
 
 def use_cpu_kernel(choice: str, flag: str, kernel: str, device: torch.device, dtype: torch.dtype,
                    batch_invariant: bool) -> bool:
-    """Resolve `moe_runner_backend` / `attention_backend` (`flag`): whether that part runs
-    through its CPU kernel (`kernel`: "fused_cpu", "cpu_paged"), compiling the kernels on first
+    """Resolve `moe_runner_backend` / `attention_backend` / `gemm_backend` (`flag`): whether that
+    part runs through its CPU kernel (`kernel`: "fused_cpu", "cpu_paged", "cpu"), compiling the kernels on first
     use. "auto": on CPU, in float32 or bf16, outside the batch-invariant mode, when the
     kernels compile; the other choice ("torch", "torch_sdpa") never.
 

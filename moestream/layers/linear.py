@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moestream.kernels.linear import cpu_linear
+
 # Calls with at least this many rows upcast on CPUs without native bf16/fp16 matmul (below it
 # the weight's conversion costs more than the slow low-precision GEMM saves; measured on an
 # AVX2 core: K=N=1024, the crossover is between 4 and 16 rows).
@@ -19,6 +21,12 @@ UPCAST_MIN_ROWS = 8
 # Rows per matmul call in the batch-invariant mode (`batch_invariant_linear`): padding a decode
 # row to 8 costs 1.5-3x per call on the CPUs measured, a prefill's 8-row calls 2-10x.
 BATCH_INVARIANT_ROW_TILE = 8
+# moestream's CPU GEMM (`kernels/linear.py`) takes calls of at most this many rows, and of at most
+# CPU_GEMM_WIDE_MAX_ROWS rows for weights of at least CPU_GEMM_WIDE output features (the lm_head):
+# where it beat MKL / oneDNN on the CPUs measured (docs/performance.md, "A dense GEMM for few rows").
+CPU_GEMM_MAX_ROWS = 8
+CPU_GEMM_WIDE = 16384
+CPU_GEMM_WIDE_MAX_ROWS = 64
 # oneDNN bf16 calls of more rows than this are padded to a multiple of it (`bucket_rows`), so
 # that prefills reuse a few kernel shapes instead of building one per row count.
 ONEDNN_ROW_BUCKET = 32
@@ -168,6 +176,7 @@ class Linear(nn.Module):
     row_tile = 0  # > 0: batch-invariant mode (`batch_invariant_linear`), set per model
     packed = False
     packable = True
+    cpu_gemm = False  # calls of few rows through moestream's CPU GEMM (`set_cpu_gemm`), set per model
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -175,6 +184,12 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile:
+            rows = x.numel() // x.shape[-1]
+            limit = CPU_GEMM_WIDE_MAX_ROWS if self.weight.shape[0] >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS
+            if 0 < rows <= limit and x.dtype == self.weight.dtype:
+                return cpu_linear(x.reshape(rows, x.shape[-1]).contiguous(), self.weight).reshape(
+                    *x.shape[:-1], self.weight.shape[0])
         return linear(x, self.weight, self.bias, self.row_tile, self.packed)
 
     def process_weights_after_loading(self) -> bool:
@@ -186,6 +201,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
         self.packed = True
         return True
+
+
+def set_cpu_gemm(model: nn.Module, on: bool) -> None:
+    """Route every unpacked, bias-free `Linear` of `model` through moestream's CPU GEMM for
+    calls of few rows (`CPU_GEMM_MAX_ROWS`; the lm_head-wide `CPU_GEMM_WIDE_MAX_ROWS`), or never.
+    Only float32 / bf16 weights in the call's dtype; oneDNN-packed weights keep oneDNN."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.cpu_gemm = on and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
