@@ -11,6 +11,7 @@ from moestream.layers.linear import (
     ONEDNN_ROW_BUCKET,
     UPCAST_MIN_ROWS,
     Linear,
+    CPU_GEMM_WIDE,
     bucket_rows,
     buckets_rows,
     cpu_has_native_bf16,
@@ -99,6 +100,21 @@ def test_process_weights_after_loading_counts_and_skips_unpackable() -> None:
 
 def test_bucket_rows_values() -> None:
     assert [bucket_rows(m) for m in (0, 1, 31, 32, 33, 64, 65, 100)] == [0, 1, 31, 32, 64, 64, 96, 128]
+    assert [bucket_rows(m, CPU_GEMM_WIDE) for m in (1, 3, 4, 5, 33)] == [4, 4, 4, 5, 64]  # the lm_head
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_wide_bf16_calls_of_few_rows_pad_to_four(packed: bool) -> None:
+    """A bf16 call of 1-3 rows on a weight of CPU_GEMM_WIDE outputs (an lm_head) runs padded to
+    4 rows where oneDNN takes bf16 calls; each row equals its own 1-row result either way."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(CPU_GEMM_WIDE, 64, generator=g) / 8).bfloat16()
+    weight = pack_weight(w) if packed and prepacks(w) else w
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    out = linear(x, weight, packed=weight is not w)
+    want = F.linear(torch.cat([x, x.new_zeros(1, 64)]), w)[:3] if buckets_rows(x, w) else linear(x, w)
+    assert torch.equal(out, want)
+    assert torch.equal(linear(x[1:2], weight, packed=weight is not w), out[1:2])
 
 
 @pytest.mark.parametrize("packed", [False, True])
