@@ -10,8 +10,9 @@ import torch.nn.functional as F
 from moestream.layers.linear import (
     ONEDNN_ROW_BUCKET,
     UPCAST_MIN_ROWS,
-    Linear,
+    CPU_GEMM_MAX_ROWS,
     CPU_GEMM_WIDE,
+    Linear,
     bucket_rows,
     buckets_rows,
     cpu_has_native_bf16,
@@ -19,6 +20,7 @@ from moestream.layers.linear import (
     onednn_packing_available,
     pack_weight,
     prepacks,
+    set_cpu_gemm,
     process_weights_after_loading,
 )
 
@@ -136,3 +138,24 @@ def test_onednn_bf16_calls_run_padded_to_row_buckets(packed: bool) -> None:
         assert torch.equal(linear(x[:ONEDNN_ROW_BUCKET], weight, packed=is_packed), F.linear(x[:ONEDNN_ROW_BUCKET], w))
     else:  # no native bf16: calls of UPCAST_MIN_ROWS+ rows run in float32
         assert torch.equal(out, F.linear(x.float(), w.float()).bfloat16())
+
+
+def test_cpu_gemm_takes_only_what_it_can_read() -> None:
+    """Regression: a weight dequantized at load can be a transposed view (GPTQ); with the CPU
+    GEMM on, such a Linear keeps F.linear instead of failing, and a contiguous one takes the
+    kernel for few rows only."""
+    from moestream.kernels.build import load_cpu_kernels
+
+    g = torch.Generator().manual_seed(6)
+    lin = Linear(24, 40)
+    lin.weight = torch.nn.Parameter(torch.randn(24, 40, generator=g).t(), requires_grad=False)  # [40, 24], strided
+    set_cpu_gemm(lin, True)
+    x = torch.randn(3, 24, generator=g)
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
+    lin.weight = torch.nn.Parameter(lin.weight.contiguous(), requires_grad=False)
+    if load_cpu_kernels():
+        from moestream.kernels.linear import cpu_linear
+
+        assert torch.equal(lin(x), cpu_linear(x, lin.weight))
+        many = torch.randn(CPU_GEMM_MAX_ROWS + 1, 24, generator=g)
+        assert torch.equal(lin(many), F.linear(many, lin.weight))

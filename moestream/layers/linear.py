@@ -191,7 +191,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile:
+        if self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile and self.weight.is_contiguous():
             rows = x.numel() // x.shape[-1]
             limit = CPU_GEMM_WIDE_MAX_ROWS if self.weight.shape[0] >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS
             if 0 < rows <= limit and x.dtype == self.weight.dtype:
@@ -213,7 +213,8 @@ class Linear(nn.Module):
 def set_cpu_gemm(model: nn.Module, on: bool) -> None:
     """Route every unpacked, bias-free `Linear` of `model` through moestream's CPU GEMM for
     calls of few rows (`CPU_GEMM_MAX_ROWS`; the lm_head-wide `CPU_GEMM_WIDE_MAX_ROWS`), or never.
-    Only float32 / bf16 weights in the call's dtype; oneDNN-packed weights keep oneDNN."""
+    Only contiguous float32 / bf16 weights in the call's dtype (a weight dequantized at load
+    may be a transposed view: it keeps F.linear); oneDNN-packed weights keep oneDNN."""
     for m in model.modules():
         if isinstance(m, Linear):
             m.cpu_gemm = on and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
