@@ -31,6 +31,15 @@ from moestream.quantization.method import IntWeights
 ACT_CODES = {"silu": 0, "swigluoai": 1}
 
 
+def _ready(bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None
+           ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    """The (gate_up, down) bias lists an operator takes (empty for none), once the kernels are
+    loaded. Raises RuntimeError when they did not build."""
+    if not load_cpu_kernels():
+        raise RuntimeError("the CPU kernels did not build (see the warning logged); use the PyTorch path")
+    return bias if bias is not None else ([], [])
+
+
 def fused_moe(x: torch.Tensor, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
               bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None, token_of: torch.Tensor,
               pair_weight: torch.Tensor, counts: Sequence[int], act: int, alpha: float, limit: float,
@@ -47,9 +56,7 @@ def fused_moe(x: torch.Tensor, gate_up: Sequence[torch.Tensor], down: Sequence[t
         RuntimeError: shapes, dtypes or layouts other than these (the operator's checks), or
             a kernel that did not build.
     """
-    if not load_cpu_kernels():
-        raise RuntimeError("the CPU kernels did not build (see the warning logged); use the PyTorch path")
-    gu_bias, down_bias = bias if bias is not None else ([], [])
+    gu_bias, down_bias = _ready(bias)
     torch.ops.moestream_cpu.fused_moe(x, list(gate_up), list(down), list(gu_bias), list(down_bias), token_of,
                                       pair_weight, list(counts), act, alpha, limit, out)
     return out
@@ -67,9 +74,7 @@ def fused_moe_int(x: torch.Tensor, experts: Sequence[tuple[list[IntWeights], Int
         RuntimeError: shapes, dtypes or layouts other than these (the operator's checks), or
             a kernel that did not build.
     """
-    if not load_cpu_kernels():
-        raise RuntimeError("the CPU kernels did not build (see the warning logged); use the PyTorch path")
-    gu_bias, down_bias = bias if bias is not None else ([], [])
+    gu_bias, down_bias = _ready(bias)
     blocks = [b for gate_up, _ in experts for b in gate_up]
     downs = [d for _, d in experts]
     first = downs[0]

@@ -139,18 +139,15 @@ void dequant_rows(const IntMatrix& m, const IntFormat& f, int64_t r0, int64_t r1
 #if defined(__AVX512F__)
       if (f.bits == 8 || k0 % 2 == 0) {
         const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
-        if (zp == nullptr)
-          for (; k + 16 <= k1; k += 16) store16(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(load_q16(row, k, f)), vs));
         for (; k + 16 <= k1; k += 16) {
-          const __m512 q = _mm512_cvtepi32_ps(load_q16(row, k, f));
-          store16(out + k, _mm512_mul_ps(_mm512_sub_ps(q, vz), vs));  // (q - z) * s: two roundings, as torch
+          __m512 q = _mm512_cvtepi32_ps(load_q16(row, k, f));
+          if (zp != nullptr) q = _mm512_sub_ps(q, vz);
+          store16(out + k, _mm512_mul_ps(q, vs));  // (q - z) * s: two roundings, as torch
         }
       }
 #endif
       for (; k < k1; ++k) {
-        const float q = static_cast<float>(q_at(row, k, f));
-        volatile float d = q - z;  // rounded on its own (exact for these integers), then the product
-        out[k] = cast<T>(d * s);
+        out[k] = cast<T>((static_cast<float>(q_at(row, k, f)) - z) * s);  // no contraction: -ffp-contract=off
       }
     }
   }

@@ -2,9 +2,9 @@
 the other CPU kernels (`kernels/build.py`): x [M, K] @ weight [N, K].T on unpacked weights,
 float32 accumulation rounded once to x's dtype, each output summed in an order that depends
 only on K (the fused MoE kernel's dot products, `gemm.h`), so a row's logits are the same
-whatever else is in the batch. Used for the lm_head of decode-sized steps
-(`models/moe_decoder.py`, `MoEForCausalLM.compute_logits`), where it streams the [V, H]
-weight faster than oneDNN's matrix-vector path (docs/performance.md)."""
+whatever else is in the batch. `layers/linear.py`'s `Linear` takes it for calls of few rows
+under `gemm_backend` (`set_cpu_gemm`), where it beats MKL's float32 matmul on the CPUs
+measured (docs/performance.md)."""
 
 from __future__ import annotations
 

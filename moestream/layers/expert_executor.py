@@ -212,14 +212,15 @@ class ResidentExpertExecutor:
             active = [e for e, c in enumerate(counts_list) if c]
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
             ensured = self.store.ensure(self.layer_idx, active)
+            pair_weight = topk_weights.flatten()[order]  # [T*k]
             if fused_applies(self.fused, self.row_tile, x, counts_list):
                 operands = _fused_operands(ensured, x.dtype)
                 if operands is not None:
-                    return _run_fused(x, token_of, topk_weights.flatten()[order], [0, *itertools.accumulate(counts_list)],
-                                      counts_list, active, operands, self.act, self.bias, out)
+                    return _run_fused(x, token_of, pair_weight, [0, *itertools.accumulate(counts_list)], counts_list,
+                                      active, operands, self.act, self.bias, out)
             experts = dict(zip(active, ensured))
-            return _loop(x, token_of, topk_weights.flatten()[order], counts_list, active, experts.__getitem__,
-                         self.row_tile, out, self.act, self.bias)
+            return _loop(x, token_of, pair_weight, counts_list, active, experts.__getitem__, self.row_tile, out,
+                         self.act, self.bias)
         gate_up, down = self.store.layer_weights(self.layer_idx)  # [E, 2I, H], [E, H, I]
         if self.grouped is None:  # decided once, outside any trace (the CPU probe cannot be traced)
             # torch._grouped_mm needs its operands' row strides in multiples of 16 bytes
