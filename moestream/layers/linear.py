@@ -23,7 +23,7 @@ UPCAST_MIN_ROWS = 8
 BATCH_INVARIANT_ROW_TILE = 8
 # moestream's CPU GEMM (`kernels/linear.py`) takes calls of at most this many rows, and of at most
 # CPU_GEMM_WIDE_MAX_ROWS rows for weights of at least CPU_GEMM_WIDE output features (the lm_head):
-# where it beat MKL / oneDNN on the CPUs measured (docs/performance.md, "A dense GEMM for few rows").
+# where it beat MKL / oneDNN on the CPUs measured (docs/performance.md, "The CPU GEMM for dense linears").
 CPU_GEMM_MAX_ROWS = 8
 CPU_GEMM_WIDE = 16384
 CPU_GEMM_WIDE_MAX_ROWS = 64
@@ -53,8 +53,8 @@ def bucket_rows(m: int, out_features: int = 0) -> int:
     """The row count a oneDNN bf16 call of `m` rows runs with: `m` up to `ONEDNN_ROW_BUCKET`,
     else `m` rounded up to a multiple of it; and at least `WIDE_MIN_ROWS` for a weight of
     `out_features` >= CPU_GEMM_WIDE (the lm_head), whose 1-3 row calls take oneDNN's slower
-    matrix-vector path (151936 x 512 on an AMD EPYC, 2 threads: 9.0 ms at 1 row, 7.7 ms at 4;
-    a row's result is the same either way, tests/test_linear.py)."""
+    matrix-vector path (docs/performance.md; a row's result is the same either way,
+    tests/test_linear.py)."""
     if out_features >= CPU_GEMM_WIDE and m < WIDE_MIN_ROWS:
         return WIDE_MIN_ROWS
     return m if m <= ONEDNN_ROW_BUCKET else -(-m // ONEDNN_ROW_BUCKET) * ONEDNN_ROW_BUCKET
@@ -191,7 +191,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile and self.weight.is_contiguous():
+        takes = self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile
+        if takes and self.weight.is_contiguous():
             rows = x.numel() // x.shape[-1]
             limit = CPU_GEMM_WIDE_MAX_ROWS if self.weight.shape[0] >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS
             if 0 < rows <= limit and x.dtype == self.weight.dtype:
