@@ -17,6 +17,8 @@ from parity import LogitsRecorder, check_all, greedy_params
 import moestream.layers.attention_backend as attention_module
 import moestream.layers.expert_executor as executor_module
 import moestream.layers.linear as linear_module
+import moestream.layers.norm as norm_module
+import moestream.layers.rotary as rotary_module
 from moestream import LLM
 from moestream.config import EngineConfig, ExpertActivation
 from moestream.engine import builder
@@ -255,6 +257,98 @@ def test_dense_linear_is_exact_and_batch_invariant(dtype: torch.dtype) -> None:
         cpu_linear(x, w.t().contiguous().t())
 
 
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel(dtype: torch.dtype, unit_offset: bool) -> None:
+    """cpu_rms_norm / cpu_add_rms_norm: float32 within rounding of the float64 norm, bf16 at
+    most one bf16 step from the PyTorch path (the sum of squares' order differs), a row the
+    same alone or among 37 (D not a multiple of the 16 lanes), the residual sum equal to
+    torch's add bit for bit."""
+    from moestream.kernels.norm import cpu_add_rms_norm, cpu_rms_norm
+    from moestream.layers.norm import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 200, generator=g) * 4).to(dtype)
+    res = torch.randn(37, 200, generator=g).to(dtype)
+    norm = RMSNorm(200, 1e-6, unit_offset).to(dtype)
+    norm.weight.data = (torch.randn(200, generator=g) * 0.2 + (0 if unit_offset else 1)).to(dtype)
+    got = cpu_rms_norm(x, norm.weight, 1e-6, unit_offset)
+    x64, w64 = x.double(), norm.weight.double()
+    exact = x64 / (x64.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * ((1 + w64) if unit_offset else w64)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 4e-6 if dtype == torch.float32 else 2.0**-7
+    assert ((got.double() - exact).abs() <= tol * exact.abs() + tol).all()
+    torch_path = norm(x)  # cpu_kernel off: the eight PyTorch operators
+    assert ((got.float() - torch_path.float()).abs() <= 2.0**-7 * torch_path.float().abs() + 1e-6).all()
+    for r in (0, 5, 36):
+        assert torch.equal(cpu_rms_norm(x[r : r + 1], norm.weight, 1e-6, unit_offset), got[r : r + 1])
+    h, y = cpu_add_rms_norm(x, res, norm.weight, 1e-6, unit_offset)
+    assert torch.equal(h, res + x) and torch.equal(y, cpu_rms_norm(res + x, norm.weight, 1e-6, unit_offset))
+    heads = x.view(37, 8, 25)  # q/k norm: [T, H, D] over the last dim
+    assert torch.equal(cpu_rms_norm(heads, norm.weight[:25].contiguous(), 1e-6, unit_offset)[3],
+                       cpu_rms_norm(heads[3].contiguous(), norm.weight[:25].contiguous(), 1e-6, unit_offset))
+    with pytest.raises(RuntimeError, match=r"weight must be a contiguous \[200\] in x's dtype"):
+        cpu_rms_norm(x, norm.weight[:100], 1e-6, unit_offset)
+    with pytest.raises(RuntimeError, match="residual must be contiguous, of x's shape and dtype"):
+        cpu_add_rms_norm(x, res[:3], norm.weight, 1e-6, unit_offset)
+
+
+def test_rms_norm_module_takes_the_kernel_only_where_it_can() -> None:
+    """RMSNorm with cpu_kernel: a non-contiguous input or another dtype keeps the PyTorch path
+    (the same values as with the kernel off)."""
+    from moestream.layers.norm import RMSNorm
+
+    norm = RMSNorm(16, 1e-5)
+    norm.weight.data = torch.linspace(0.5, 1.5, 16)
+    x = torch.randn(4, 32)[:, ::2]  # strided
+    off, off64 = norm(x), norm(x.double())
+    norm.cpu_kernel = True
+    assert torch.equal(norm(x), off)
+    assert torch.equal(norm(x.double()), off64)  # the kernel would refuse float64
+    h, y = norm.forward_add(x, torch.ones(4, 16))
+    assert torch.equal(h, x + 1) and torch.allclose(y, norm(x + 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("interleaved", "partial", "mrope"), [(False, 1.0, False), (False, 0.5, False),
+                                                               (False, 1.0, True), (True, 1.0, False),
+                                                               (True, 0.5, False)])
+def test_rotary_kernel_equals_the_torch_path(dtype: torch.dtype, interleaved: bool, partial: float,
+                                             mrope: bool) -> None:
+    """The C++ rotary embedding rotates q and k in place to exactly the PyTorch path's values:
+    rotate-half and interleaved pairs, partial rotary, M-RoPE positions, strided heads (a
+    gated q_proj's query half)."""
+    from moestream.config import RopeConfig
+    from moestream.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(RopeConfig("default", 10000.0), 64, 4096, torch.device("cpu"), partial,
+                          (8, 12, 12) if mrope else None, interleaved)
+    g = torch.Generator().manual_seed(1)
+    pos = torch.randint(0, 4000, (3, 7) if mrope else (7,), generator=g)
+    q = torch.randn(7, 8, 128, generator=g).to(dtype)[:, :, :64]
+    k = torch.randn(7, 2, 64, generator=g).to(dtype)
+    want_q, want_k = rot(pos, q.clone(), k.clone())
+    rot.cpu_kernel = True
+    got_q, got_k = rot(pos, q, k)
+    assert got_q.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    rot.cpu_kernel = False
+    other = pos + 1  # new positions: new tables, not the cached ones
+    assert not torch.equal(rot(other, q.clone(), k.clone())[1], rot(pos, q.clone(), k.clone())[1])
+
+
+def test_rotary_kernel_refuses_bad_tables() -> None:
+    from moestream.kernels.rotary import cpu_apply_rotary
+
+    q, k = torch.randn(3, 2, 8), torch.randn(3, 1, 8)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        cpu_apply_rotary(q, k, torch.randn(3, 8).bfloat16(), torch.randn(3, 8).bfloat16(), False)
+    with pytest.raises(RuntimeError, match="q has 3 tokens, cos 2"):
+        cpu_apply_rotary(q, k, torch.randn(2, 8), torch.randn(2, 8), False)
+    with pytest.raises(RuntimeError, match="rotary dim 16 must be even and at most q's head dim 8"):
+        cpu_apply_rotary(q, k, torch.randn(3, 16), torch.randn(3, 16), False)
+
+
 # ---- in the engine ------------------------------------------------------------------
 
 
@@ -303,6 +397,8 @@ def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: 
                                        kernel_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     attention_calls = _count_calls(monkeypatch, attention_module, "paged_decode_attention")
     gemm_calls = _count_calls(monkeypatch, linear_module, "cpu_linear")
+    norm_calls = _count_calls(monkeypatch, norm_module, "cpu_add_rms_norm")
+    rotary_calls = _count_calls(monkeypatch, rotary_module, "cpu_apply_rotary")
     prompts = parity_prompts()
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention,
               gemm_backend=gemm)
@@ -311,6 +407,7 @@ def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: 
     assert (kernel_calls[0] > 0) == (moe == "fused_cpu")
     assert (attention_calls[0] > 0) == (attention == "cpu_paged")
     assert (gemm_calls[0] > 0) == (gemm == "cpu")
+    assert (norm_calls[0] > 0) == (gemm == "cpu") and (rotary_calls[0] > 0) == (gemm == "cpu")
 
 
 def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,11 +155,12 @@ class EngineConfig:
                                             "torch_sdpa = blocks gathered, then scaled_dot_product_attention; "
                                             "auto = cpu_paged on CPU in float32/bf16 when it compiles",
                                     choices=("auto", "torch_sdpa", "cpu_paged"))
-    gemm_backend: str = option("auto", "dense linear layers' kernel for calls of few rows: cpu = moestream's C++ "
-                                       "GEMM on unpacked float32/bf16 weights (up to 8 rows; the lm_head up to 64), "
-                                       "compiled on first use; torch = F.linear (MKL / oneDNN); auto = cpu on CPU "
-                                       "in float32/bf16 when it compiles (bf16 weights prepacked for oneDNN keep "
-                                       "oneDNN)",
+    gemm_backend: str = option("auto", "dense layers' kernels: cpu = moestream's C++ GEMM for linears of few rows "
+                                       "on unpacked float32/bf16 weights (up to 8 rows; the lm_head up to 64), and "
+                                       "RMSNorm (with the residual add) and rotary embedding in one C++ call each, "
+                                       "compiled on first use; torch = F.linear (MKL / oneDNN) and PyTorch "
+                                       "operators; auto = cpu on CPU in float32/bf16 when it compiles (bf16 "
+                                       "weights prepacked for oneDNN keep oneDNN)",
                                choices=("auto", "torch", "cpu"))
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '

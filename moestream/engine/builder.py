@@ -42,6 +42,8 @@ from moestream.layers.attention_backend import TorchAttentionBackend
 from moestream.layers.moe import SparseMoE
 from moestream.layers.linear import (BATCH_INVARIANT_ROW_TILE, cpu_has_native_bf16, process_weights_after_loading,
                                      set_cpu_gemm)
+from moestream.layers.norm import set_cpu_norm
+from moestream.layers.rotary import set_cpu_rotary
 from moestream.loader import (
     CheckpointReader,
     build_model,
@@ -225,6 +227,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     for module in (model, mtp):
         if module is not None:
             set_cpu_gemm(module, cpu_gemm)
+            set_cpu_norm(module, cpu_gemm)
+            set_cpu_rotary(module, cpu_gemm)
     if packed:
         logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)
 

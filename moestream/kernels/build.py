@@ -1,7 +1,8 @@
 """Build and load moestream's CPU kernels: the C++ operators of `moestream_cpu`
-(`fused_moe_cpu.cpp`: the fused MoE layer; `paged_attention_cpu.cpp`: decode attention over
-the paged KV cache; `sampling_cpu.cpp`: greedy argmax), compiled together as one torch
-extension.
+(`fused_moe_cpu.cpp`: the fused MoE layer; `linear_cpu.cpp`: dense linears of few rows;
+`norm_cpu.cpp`: RMSNorm with the residual add; `rotary_cpu.cpp`: rotary embedding in place;
+`paged_attention_cpu.cpp`: decode attention over the paged KV cache; `sampling_cpu.cpp`:
+greedy argmax), compiled together as one torch extension.
 
 They are compiled on first use with the machine's C++ compiler (`-O3 -march=native`, so one
 build per CPU and per source: the build's name carries a hash of the CPU's model and flags
@@ -26,8 +27,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
-_SOURCES = [os.path.join(_HERE, name) for name in ("fused_moe_cpu.cpp", "linear_cpu.cpp", "paged_attention_cpu.cpp",
-                                                        "sampling_cpu.cpp")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("fused_moe_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp",
+                                                        "rotary_cpu.cpp", "paged_attention_cpu.cpp", "sampling_cpu.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "gemm.h")]
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the caller; without the flag it
 # runs on one thread whatever torch's thread count (the GOMP symbols resolve to torch's runtime)

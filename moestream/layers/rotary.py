@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from moestream.config import RopeConfig
+from moestream.kernels.rotary import cpu_apply_rotary
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -102,7 +103,12 @@ class RotaryEmbedding(nn.Module):
     the rotated pairs are adjacent dims (x0, x1), (x2, x3) ..., pair j at frequency j.
 
     forward(positions [T] or [3, T] int64, q [T, Hq, D], k [T, Hk, D]) -> (q, k) rotated, same dtypes.
+    With `cpu_kernel` (set by `set_cpu_rotary`) float32 / bf16 q and k whose last dim is
+    contiguous are rotated in place by one C++ call (`kernels/rotary.py`), with the same values.
+    cos and sin are computed once for a forward's positions and reused by every layer.
     """
+
+    cpu_kernel = False  # moestream's C++ rotary embedding (`set_cpu_rotary`), set per model
 
     def __init__(
         self,
@@ -121,6 +127,8 @@ class RotaryEmbedding(nn.Module):
         # Computed on the CPU explicitly, so that building the model under a meta-device context works.
         self.inv_freq = inv_freq.to(device)  # [R/2] float32
         self.mrope_axis: torch.Tensor | None = None  # [R/2] int64: which of (t, h, w) frequency j reads
+        # the last positions' (copy, dtype, cos, sin): every layer of a forward gets the same positions
+        self._tables: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         if mrope_section is not None:
             j = torch.arange(self.rotary_dim // 2, device="cpu")
             axis = torch.zeros_like(j)
@@ -128,7 +136,13 @@ class RotaryEmbedding(nn.Module):
             axis[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
             self.mrope_axis = axis.to(device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions`: [T, R] in `dtype` (rotate-half), or [T, R/2] float32
+        (interleaved), times the rope's attention scale. Reused while the positions' values
+        and the dtype stay the same (compared, not assumed)."""
+        c = self._tables
+        if c is not None and c[1] == dtype and c[0].shape == positions.shape and torch.equal(c[0], positions):
+            return c[2], c[3]
         if positions.dim() == 2:  # M-RoPE [3, T]: frequency j at its axis's position
             if self.mrope_axis is None:
                 raise ValueError("3-D positions need a rotary embedding built with mrope_section")
@@ -136,18 +150,37 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, R/2]
         if self.interleaved:
-            cos = (freqs.cos() * self.scale)[:, None, :]  # [T, 1, R/2] float32
-            sin = (freqs.sin() * self.scale)[:, None, :]
+            cos, sin = freqs.cos() * self.scale, freqs.sin() * self.scale  # [T, R/2] float32
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
+            cos, sin = (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        self._tables = (positions.clone(), dtype, cos, sin)
+        return cos, sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        if (self.cpu_kernel and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype and q.dim() == 3
+                and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1):
+            cpu_apply_rotary(q, k, cos, sin, self.interleaved)
+            return q, k
+        if self.interleaved:
+            cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2] float32
             return _rotate_pairs(q, cos, sin, self.rotary_dim), _rotate_pairs(k, cos, sin, self.rotary_dim)
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
-        cos = (emb.cos() * self.scale).to(q.dtype)[:, None, :]  # [T, 1, R]
-        sin = (emb.sin() * self.scale).to(q.dtype)[:, None, :]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
         r = self.rotary_dim
         if r == q.shape[-1]:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         q_rot = q[..., :r] * cos + _rotate_half(q[..., :r]) * sin  # [T, Hq, R]
         k_rot = k[..., :r] * cos + _rotate_half(k[..., :r]) * sin
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+def set_cpu_rotary(model: nn.Module, on: bool) -> None:
+    """Route every `RotaryEmbedding` of `model` through moestream's C++ rotary embedding
+    (`kernels/rotary.py`) for float32 / bf16 q and k on CPU, or never."""
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding):
+            m.cpu_kernel = on and m.inv_freq.device.type == "cpu"
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(positions, self.input_layernorm(x), cache, meta)
         m = self.residual_multiplier
-        x = x + (mixed if m == 1.0 else mixed * m)
-        out = self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.forward_add(mixed if m == 1.0 else mixed * m, x)
+        out = self.mlp(h)
         return x + (out if m == 1.0 else out * m)
 
 
