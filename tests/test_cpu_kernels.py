@@ -26,6 +26,7 @@ from moestream.engine.builder import use_cpu_kernel
 from moestream.experts.interface import ExpertWeights
 from moestream.kernels import build
 from moestream.kernels import fused_moe as kernel
+from moestream.kernels.linear import blocked_step
 from moestream.kernels.paged_attention import paged_decode_attention
 from moestream.kernels.sampling import argmax_rows
 from moestream.sampler import Sampler
@@ -257,6 +258,30 @@ def test_dense_linear_is_exact_and_batch_invariant(dtype: torch.dtype) -> None:
         cpu_linear(x, w.t().contiguous().t())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_linear_equals_the_unblocked_bit_for_bit(dtype: torch.dtype) -> None:
+    """cpu_linear_blocked on pack_blocked's layout: the same values as cpu_linear at any row
+    count (N not a multiple of the 16-column block); builds without AVX-512 refuse to pack."""
+    from moestream.kernels.linear import cpu_linear, cpu_linear_blocked, pack_blocked
+
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(1000, 128, generator=g) / 128**0.5).to(dtype)
+    step = blocked_step(dtype)
+    if step == 0:
+        with pytest.raises(ValueError, match="no blocked layout"):
+            pack_blocked(w)
+        return
+    packed = pack_blocked(w)
+    assert packed.shape == (63, 128 // step, 16, step)
+    for m in (1, 2, 3, 4, 5, 17, 70):
+        x = torch.randn(m, 128, generator=g).to(dtype)
+        assert torch.equal(cpu_linear_blocked(x, packed, 1000), cpu_linear(x, w))
+    with pytest.raises(ValueError, match="no blocked layout"):
+        pack_blocked(w[:, :100].contiguous())  # K not a multiple of the step
+    with pytest.raises(RuntimeError, match="packed must be a contiguous"):
+        cpu_linear_blocked(x, packed, 2000)
+
+
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel(dtype: torch.dtype, unit_offset: bool) -> None:
@@ -408,6 +433,9 @@ def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: 
     assert (attention_calls[0] > 0) == (attention == "cpu_paged")
     assert (gemm_calls[0] > 0) == (gemm == "cpu")
     assert (norm_calls[0] > 0) == (gemm == "cpu") and (rotary_calls[0] > 0) == (gemm == "cpu")
+    lm_head = llm.llm_engine.runner.model.lm_head  # float32: blocked for the CPU GEMM where the build has it
+    blocked = gemm == "cpu" and blocked_step(torch.float32) > 0
+    assert lm_head.blocked_out == (151936 if blocked else 0) and lm_head.weight.dim() == (4 if blocked else 2)
 
 
 def test_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,21 +36,27 @@ CASES = [("qwen3_moe", f) for f in FORMATS] + [
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory: pytest.TempPathFactory):
-    """(model type, format) -> (quantized dir, float32 oracle dir), built once per module."""
+    """(model type, format) -> (quantized dir, float32 oracle dir), built once per module and
+    removed after it (about 2 GB in all: CI machines' disks can be small)."""
     built: dict[tuple[str, str], tuple[str, str]] = {}
     floats: dict[str, str] = {}
+    roots: list[str] = []
 
     def get(model: str, fmt: str) -> tuple[str, str]:
         if model not in floats:
-            floats[model] = make_tiny_checkpoint(str(tmp_path_factory.mktemp(model)), model)
+            roots.append(str(tmp_path_factory.mktemp(model)))
+            floats[model] = make_tiny_checkpoint(roots[-1], model)
         if (model, fmt) not in built:
             root = tmp_path_factory.mktemp(f"{model}-{fmt}")
+            roots.append(str(root))
             q, oracle = str(root / "quantized"), str(root / "oracle")
             quantize_checkpoint(floats[model], q, oracle, fmt)
             built[(model, fmt)] = (q, oracle)
         return built[(model, fmt)]
 
-    return get
+    yield get
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], LogitsRecorder]]:

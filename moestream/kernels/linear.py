@@ -26,3 +26,40 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     torch.ops.moestream_cpu.linear(x, weight, out)
     return out
+
+
+def blocked_step(dtype: torch.dtype) -> int:
+    """The vector step S of `pack_blocked`'s layout for `dtype` in this build (32 for bf16 with
+    AVX512_BF16, 16 for float32 or bf16 without it), or 0 where there is no blocked kernel
+    (builds without AVX-512, other dtypes, kernels that did not build)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not load_cpu_kernels():
+        return 0
+    return torch.ops.moestream_cpu.blocked_step(dtype)
+
+
+def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K / S, 16, S] (S = `blocked_step(weight.dtype)`; rows past N
+    zero): each block of 16 output rows stored as one contiguous run, k-chunk by k-chunk, for
+    `cpu_linear_blocked`.
+
+    Raises:
+        ValueError: no blocked kernel for the dtype in this build, or K not a multiple of S.
+    """
+    n, k = weight.shape
+    s = blocked_step(weight.dtype)
+    if s == 0 or k % s:
+        raise ValueError(f"no blocked layout for a {weight.dtype} weight of {k} input features here (step {s})")
+    padded = torch.cat([weight, weight.new_zeros(-n % 16, k)]) if n % 16 else weight
+    return padded.reshape(-1, 16, k // s, s).permute(0, 2, 1, 3).contiguous()
+
+
+def cpu_linear_blocked(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] (contiguous rows) @ W.T for W [out_features, K] held as `pack_blocked(W)` -> [M,
+    out_features] in x's dtype, equal to `cpu_linear(x, W)` bit for bit, at any M.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks).
+    """
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    torch.ops.moestream_cpu.linear_blocked(x, packed, out_features, out)
+    return out

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestream.kernels.linear import cpu_linear
+from moestream.kernels.linear import blocked_step, cpu_linear, cpu_linear_blocked, pack_blocked
 
 # Calls with at least this many rows upcast on CPUs without native bf16/fp16 matmul (below it
 # the weight's conversion costs more than the slow low-precision GEMM saves; measured on an
@@ -184,6 +184,7 @@ class Linear(nn.Module):
     packed = False
     packable = True
     cpu_gemm = False  # calls of few rows through moestream's CPU GEMM (`set_cpu_gemm`), set per model
+    blocked_out = 0  # > 0: the weight is `pack_blocked`'s layout of [blocked_out, in] (`set_cpu_gemm`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -191,6 +192,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocked_out:
+            rows = x.numel() // x.shape[-1]
+            return cpu_linear_blocked(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, self.blocked_out).reshape(
+                *x.shape[:-1], self.blocked_out)
         takes = self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile
         if takes and self.weight.is_contiguous():
             rows = x.numel() // x.shape[-1]
@@ -215,10 +220,22 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
     """Route every unpacked, bias-free `Linear` of `model` through moestream's CPU GEMM for
     calls of few rows (`CPU_GEMM_MAX_ROWS`; the lm_head-wide `CPU_GEMM_WIDE_MAX_ROWS`), or never.
     Only contiguous float32 / bf16 weights in the call's dtype (a weight dequantized at load
-    may be a transposed view: it keeps F.linear); oneDNN-packed weights keep oneDNN."""
+    may be a transposed view: it keeps F.linear); oneDNN-packed weights keep oneDNN.
+
+    A float32 lm_head-wide weight (`CPU_GEMM_WIDE` outputs or more) is re-laid out once for the
+    blocked kernel (`pack_blocked`, AVX-512 builds) and then takes it for every call: one
+    contiguous stream per 16 outputs reads faster than 16 rows side by side at one row, and
+    other row counts run about as fast as the unblocked kernel, with the same values bit for
+    bit (docs/performance.md). bf16 lm_heads keep oneDNN, faster from two rows up."""
     for m in model.modules():
         if isinstance(m, Linear):
-            m.cpu_gemm = on and m.weight.dtype in (torch.float32, torch.bfloat16) and m.weight.device.type == "cpu"
+            w = m.weight
+            m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+            step = blocked_step(w.dtype) if m.cpu_gemm and w.dtype == torch.float32 else 0
+            if (step and not m.blocked_out and not m.packed and m.bias is None and not m.row_tile
+                    and w.shape[0] >= CPU_GEMM_WIDE and w.is_contiguous() and w.shape[1] % step == 0):
+                m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
+                m.blocked_out = w.shape[0]
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
