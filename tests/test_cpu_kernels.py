@@ -282,6 +282,48 @@ def test_blocked_linear_equals_the_unblocked_bit_for_bit(dtype: torch.dtype) -> 
         cpu_linear_blocked(x, packed, 2000)
 
 
+def test_vnni_linear_is_close_and_batch_invariant() -> None:
+    """cpu_linear_vnni on pack_vnni's layout (bf16): within one bf16 step of the float64
+    product, a row the same alone or among 70 (N not a multiple of the 128-output block);
+    builds without AVX512_BF16 refuse to pack."""
+    from moestream.kernels.linear import cpu_linear_vnni, has_vnni_bf16, pack_vnni
+
+    g = torch.Generator().manual_seed(9)
+    w = (torch.randn(1000, 128, generator=g) / 128**0.5).bfloat16()
+    if not has_vnni_bf16():
+        with pytest.raises(ValueError, match="no VNNI layout"):
+            pack_vnni(w)
+        return
+    packed = pack_vnni(w)
+    assert packed.shape == (8, 64, 8, 16, 2)
+    x = torch.randn(70, 128, generator=g).bfloat16()
+    got = cpu_linear_vnni(x, packed, 1000)
+    exact = x.double() @ w.double().T
+    assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= 2.0**-7 * exact.abs() + 1e-3).all()
+    for m in (1, 2, 3, 4, 5, 17):
+        assert torch.equal(cpu_linear_vnni(x[:m].contiguous(), packed, 1000), got[:m])
+    assert torch.equal(cpu_linear_vnni(x[40:41].contiguous(), packed, 1000), got[40:41])
+    with pytest.raises(ValueError, match="no VNNI layout"):
+        pack_vnni(w[:, :127].contiguous())  # K odd
+    with pytest.raises(RuntimeError, match="packed must be a contiguous bfloat16"):
+        cpu_linear_vnni(x, packed, 2000)
+
+
+def test_bf16_engine_lm_head_takes_the_vnni_kernel(qwen3_moe_dir: str) -> None:
+    """A bf16 engine lays its lm_head out for the VNNI kernel (where the build has it) and its
+    greedy logits stay within bf16 rounding of the PyTorch paths' (oneDNN)."""
+    from moestream.kernels.linear import has_vnni_bf16
+
+    prompts = parity_prompts()[:3]
+    kernels = LLM(qwen3_moe_dir, dtype="bfloat16", max_model_len=96)
+    lm_head = kernels.llm_engine.runner.model.lm_head
+    assert lm_head.blocked_out == (151936 if has_vnni_bf16() else 0)
+    torch_paths = LLM(qwen3_moe_dir, dtype="bfloat16", max_model_len=96, gemm_backend="torch")
+    assert torch_paths.llm_engine.runner.model.lm_head.blocked_out == 0
+    for (_, r1), (_, r2) in zip(_generate(kernels, prompts, 1), _generate(torch_paths, prompts, 1)):
+        assert (r1.logits[0] - r2.logits[0]).abs().max() < 0.1
+
+
 @pytest.mark.parametrize("unit_offset", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_kernel(dtype: torch.dtype, unit_offset: bool) -> None:

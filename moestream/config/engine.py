@@ -159,8 +159,10 @@ class EngineConfig:
                                        "on unpacked float32/bf16 weights (up to 8 rows; the lm_head up to 64), and "
                                        "RMSNorm (with the residual add) and rotary embedding in one C++ call each, "
                                        "compiled on first use; torch = F.linear (MKL / oneDNN) and PyTorch "
-                                       "operators; auto = cpu on CPU in float32/bf16 when it compiles (bf16 "
-                                       "weights prepacked for oneDNN keep oneDNN)",
+                                       "operators; auto = cpu on CPU in float32/bf16 when it compiles. With "
+                                       "cpu, bias-free bf16 weights are laid out in oneDNN's VNNI layout for "
+                                       "moestream's kernel at every row count (AVX512_BF16 CPUs; elsewhere "
+                                       "they keep oneDNN), and the float32 lm_head in blocks of 16 outputs",
                                choices=("auto", "torch", "cpu"))
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '

@@ -223,12 +223,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     vision = load_vision_encoder(mcfg.multimodal, reader, dtype, device) if mcfg.multimodal is not None else None
     mtp = load_mtp(mcfg, reader, dtype, device, TorchAttentionBackend(), method) if (
         sc is not None and sc.method == "mtp") else None
-    packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
     for module in (model, mtp):
         if module is not None:
-            set_cpu_gemm(module, cpu_gemm)
+            set_cpu_gemm(module, cpu_gemm)  # first: it lays the lm_head out for its own kernel
             set_cpu_norm(module, cpu_gemm)
             set_cpu_rotary(module, cpu_gemm)
+    packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
     if packed:
         logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)
 

@@ -63,3 +63,37 @@ def cpu_linear_blocked(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     torch.ops.moestream_cpu.linear_blocked(x, packed, out_features, out)
     return out
+
+
+def has_vnni_bf16() -> bool:
+    """Whether this build has the bf16 VNNI kernel (`cpu_linear_vnni`: AVX512_BF16)."""
+    return load_cpu_kernels() and torch.ops.moestream_cpu.has_vnni_bf16()
+
+
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [N, K] (K even) -> [ceil(N / 128), K / 2, 8, 16, 2] (rows past N zero): for each
+    pair of k, 128 outputs' two values side by side (oneDNN's VNNI layout for bf16), for
+    `cpu_linear_vnni`.
+
+    Raises:
+        ValueError: not bf16, K odd, or no VNNI kernel in this build.
+    """
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 2 or not has_vnni_bf16():
+        raise ValueError(f"no VNNI layout for a {weight.dtype} weight of {k} input features here")
+    padded = torch.cat([weight, weight.new_zeros(-n % 128, k)]) if n % 128 else weight
+    return padded.reshape(-1, 8, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """bf16 x [M, K] (contiguous rows) @ W.T for W [out_features, K] held as `pack_vnni(W)` ->
+    [M, out_features] bf16: float32 sums, each output's k pairs added in order (`vdpbf16ps`),
+    rounded once; a row's result does not depend on M.
+
+    Raises:
+        RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks), or
+            a build without AVX512_BF16.
+    """
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, out)
+    return out

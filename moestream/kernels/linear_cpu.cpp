@@ -16,6 +16,7 @@
 
 #include "gemm.h"
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -156,6 +157,99 @@ void linear_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t N, co
 #endif
 }
 
+// ---- the VNNI layout for bf16 (AVX512_BF16): weight [N, K] stored as [ceil(N / 128), K / 2, 8,
+// 16, 2] (zero rows pad N): for each pair of k, 128 outputs' two values side by side, 512
+// contiguous bytes. A tile keeps R rows x 128 outputs of float32 accumulators; each k pair
+// broadcasts a row's two x values and `vdpbf16ps` adds both products into 16 outputs at once,
+// so no sum is reduced across lanes (the layout oneDNN's bf16 kernels use). Each output
+// accumulates its k pairs in order from 0, whatever the rows, tiles or threads; the sums are
+// not `linear`'s (a different order), but a row's result does not depend on the batch.
+
+bool has_vnni_bf16() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr int64_t VNNI_COLS = 128;  // outputs per super-block: 8 vectors of 16
+
+template <int R>
+inline void vnni_tile(const bf16* A, int64_t lda, const bf16* sb, int64_t pairs, float* out /* [R][128] */) {
+  __m512 acc[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 8; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const bf16* line = sb + p * 2 * VNNI_COLS;
+    __m512bh a[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t two;
+      std::memcpy(&two, A + r * lda + 2 * p, sizeof(two));
+      a[r] = (__m512bh)_mm512_set1_epi32(two);
+    }
+    for (int c = 0; c < 8; ++c) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(line + c * 32);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a[r], w);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(out + r * VNNI_COLS + c * 16, acc[r][c]);
+}
+
+template <int R>
+inline void vnni_rows(const bf16* xd, int64_t ldx, int64_t r, const bf16* sb, int64_t pairs, int64_t j0,
+                      int64_t ncols, bf16* od, int64_t N) {
+  alignas(64) float tile[R * VNNI_COLS];
+  vnni_tile<R>(xd + r * ldx, ldx, sb, pairs, tile);
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < ncols; ++c) od[(r + i) * N + j0 + c] = cast<bf16>(tile[i * VNNI_COLS + c]);
+}
+
+constexpr int64_t VNNI_ROW_CHUNK = 48;  // rows per work item (a multiple of the 3-row tile)
+
+void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
+  const int64_t M = x.size(0), ldx = x.stride(0), pairs = x.size(1) / 2, nsb = packed.size(0);
+  const int64_t sb_elems = pairs * 2 * VNNI_COLS, chunks = (M + VNNI_ROW_CHUNK - 1) / VNNI_ROW_CHUNK;
+  const bf16* xd = x.data_ptr<bf16>();
+  const bf16* wd = packed.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  // work items: (super-block, chunk of rows), super-block major, so that a narrow weight
+  // (few super-blocks) still spreads a prefill's rows over the threads
+  at::parallel_for(0, nsb * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, r0 = i % chunks * VNNI_ROW_CHUNK, r1 = std::min(M, r0 + VNNI_ROW_CHUNK);
+      const bf16* sb = wd + b * sb_elems;
+      const int64_t j0 = b * VNNI_COLS, ncols = std::min(VNNI_COLS, N - j0);
+      int64_t r = r0;
+      for (; r + 3 <= r1; r += 3) vnni_rows<3>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
+      if (r1 - r == 2) vnni_rows<2>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
+      if (r1 - r == 1) vnni_rows<1>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
+    }
+  });
+}
+#endif
+
+void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
+  TORCH_CHECK(has_vnni_bf16(), "linear_vnni: this build has no AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "linear_vnni: x must be a bfloat16 [M, K] with contiguous rows");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % 2 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 5 &&
+                  packed.size(0) == (N + 127) / 128 && packed.size(1) * 2 == K && packed.size(2) == 8 &&
+                  packed.size(3) == 16 && packed.size(4) == 2,
+              "linear_vnni: packed must be a contiguous bfloat16 [ceil(N / 128), K / 2, 8, 16, 2] (pack_vnni's "
+              "layout), got ", packed.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == N,
+              "linear_vnni: out must be a contiguous bfloat16 [M, N]");
+  if (x.size(0) == 0 || N == 0) return;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  linear_vnni_impl(x, packed, N, out);
+#endif
+}
+
 void linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -179,9 +273,12 @@ TORCH_LIBRARY_FRAGMENT(moestream_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   m.def("linear_blocked(Tensor x, Tensor packed, int N, Tensor(a!) out) -> ()");
   m.def("blocked_step(ScalarType dtype) -> int", &blocked_step);
+  m.def("linear_vnni(Tensor x, Tensor packed, int N, Tensor(a!) out) -> ()");
+  m.def("has_vnni_bf16() -> bool", &has_vnni_bf16);
 }
 
 TORCH_LIBRARY_IMPL(moestream_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_blocked", &linear_blocked);
+  m.impl("linear_vnni", &linear_vnni);
 }

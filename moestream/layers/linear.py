@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestream.kernels.linear import blocked_step, cpu_linear, cpu_linear_blocked, pack_blocked
+from moestream.kernels.linear import (blocked_step, cpu_linear, cpu_linear_blocked, cpu_linear_vnni, has_vnni_bf16,
+                                      pack_blocked, pack_vnni)
 
 # Calls with at least this many rows upcast on CPUs without native bf16/fp16 matmul (below it
 # the weight's conversion costs more than the slow low-precision GEMM saves; measured on an
@@ -193,9 +194,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked_out:
-            rows = x.numel() // x.shape[-1]
-            return cpu_linear_blocked(x.reshape(rows, x.shape[-1]).contiguous(), self.weight, self.blocked_out).reshape(
-                *x.shape[:-1], self.blocked_out)
+            rows = x.reshape(-1, x.shape[-1]).contiguous()
+            run = cpu_linear_blocked if self.weight.dtype == torch.float32 else cpu_linear_vnni
+            return run(rows, self.weight, self.blocked_out).reshape(*x.shape[:-1], self.blocked_out)
         takes = self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile
         if takes and self.weight.is_contiguous():
             rows = x.numel() // x.shape[-1]
@@ -209,7 +210,7 @@ class Linear(nn.Module):
         """Pack the weight for oneDNN where that is faster (`prepacks`); returns whether it did.
         The packed weight takes the same bytes, and the results are bitwise those of the
         unpacked weight on the CPUs measured (tests/test_linear.py holds it)."""
-        if self.packed or not self.packable or not prepacks(self.weight):
+        if self.packed or self.blocked_out or not self.packable or not prepacks(self.weight):
             return False
         self.weight = nn.Parameter(pack_weight(self.weight.data), requires_grad=False)
         self.packed = True
@@ -222,20 +223,28 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
     Only contiguous float32 / bf16 weights in the call's dtype (a weight dequantized at load
     may be a transposed view: it keeps F.linear); oneDNN-packed weights keep oneDNN.
 
-    A float32 lm_head-wide weight (`CPU_GEMM_WIDE` outputs or more) is re-laid out once for the
-    blocked kernel (`pack_blocked`, AVX-512 builds) and then takes it for every call: one
-    contiguous stream per 16 outputs reads faster than 16 rows side by side at one row, and
-    other row counts run about as fast as the unblocked kernel, with the same values bit for
-    bit (docs/performance.md). bf16 lm_heads keep oneDNN, faster from two rows up."""
+    Some weights are re-laid out once and then take a blocked kernel for every call, whatever
+    the row count (docs/performance.md, "Blocked weights"): every bias-free bf16 weight in
+    oneDNN's VNNI layout (`pack_vnni`, AVX512_BF16 builds; 1.2-2.9x faster than oneDNN's
+    packed weight up to 16 rows, as fast beyond), and a float32 lm_head-wide one
+    (`CPU_GEMM_WIDE` outputs or more) in contiguous 16-output blocks (`pack_blocked`, AVX-512
+    builds; the unblocked kernel's values bit for bit). Call it before
+    `process_weights_after_loading`, which leaves such weights alone."""
     for m in model.modules():
         if isinstance(m, Linear):
             w = m.weight
             m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-            step = blocked_step(w.dtype) if m.cpu_gemm and w.dtype == torch.float32 else 0
-            if (step and not m.blocked_out and not m.packed and m.bias is None and not m.row_tile
-                    and w.shape[0] >= CPU_GEMM_WIDE and w.is_contiguous() and w.shape[1] % step == 0):
+            if (not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.bias is not None or m.row_tile
+                    or not w.is_contiguous()):
+                continue
+            step = blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE else 0
+            if step and w.shape[1] % step == 0:
                 m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
-                m.blocked_out = w.shape[0]
+            elif w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and has_vnni_bf16():
+                m.weight = nn.Parameter(pack_vnni(w.data), requires_grad=False)
+            else:
+                continue
+            m.blocked_out = w.shape[0]
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
