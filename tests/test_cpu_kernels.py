@@ -33,6 +33,7 @@ from moestream.sampler import Sampler
 from moestream.sampling_params import SamplingParams
 from moestream.experts.resident import ResidentExpertStore
 from moestream.layers.expert_executor import ResidentExpertExecutor, _loop, fused_applies, sort_by_expert
+from moestream.layers.router import TopKRouter
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
 
@@ -310,16 +311,22 @@ def test_vnni_linear_is_close_and_batch_invariant() -> None:
 
 
 def test_bf16_engine_lm_head_takes_the_vnni_kernel(qwen3_moe_dir: str) -> None:
-    """A bf16 engine lays its lm_head out for the VNNI kernel (where the build has it) and its
-    greedy logits stay within bf16 rounding of the PyTorch paths' (oneDNN)."""
+    """A bf16 engine lays its lm_head and routers out for the VNNI kernel (where the build has
+    it) and its logits stay within bf16 rounding of the PyTorch paths' (oneDNN)."""
     from moestream.kernels.linear import has_vnni_bf16
 
     prompts = parity_prompts()[:3]
     kernels = LLM(qwen3_moe_dir, dtype="bfloat16", max_model_len=96)
-    lm_head = kernels.llm_engine.runner.model.lm_head
-    assert lm_head.blocked_out == (151936 if has_vnni_bf16() else 0)
+    model = kernels.llm_engine.runner.model
+    assert model.lm_head.blocked_out == (151936 if has_vnni_bf16() else 0)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    assert routers and all((r.vnni is not None) == has_vnni_bf16() for r in routers)
+    x = torch.randn(5, routers[0].weight.shape[1]).bfloat16()
+    want = F.linear(x, routers[0].weight).float()
+    assert (routers[0].logits(x) - want).abs().max() <= 2.0**-7 * want.abs().max() + 1e-3
     torch_paths = LLM(qwen3_moe_dir, dtype="bfloat16", max_model_len=96, gemm_backend="torch")
     assert torch_paths.llm_engine.runner.model.lm_head.blocked_out == 0
+    assert all(m.vnni is None for m in torch_paths.llm_engine.runner.model.modules() if isinstance(m, TopKRouter))
     for (_, r1), (_, r2) in zip(_generate(kernels, prompts, 1), _generate(torch_paths, prompts, 1)):
         assert (r1.logits[0] - r2.logits[0]).abs().max() < 0.1
 

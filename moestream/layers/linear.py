@@ -228,23 +228,27 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
     oneDNN's VNNI layout (`pack_vnni`, AVX512_BF16 builds; 1.2-2.9x faster than oneDNN's
     packed weight up to 16 rows, as fast beyond), and a float32 lm_head-wide one
     (`CPU_GEMM_WIDE` outputs or more) in contiguous 16-output blocks (`pack_blocked`, AVX-512
-    builds; the unblocked kernel's values bit for bit). Call it before
+    builds; the unblocked kernel's values bit for bit). Other modules with a `set_cpu_gemm`
+    method of their own (`TopKRouter`) are called with `on`. Call it before
     `process_weights_after_loading`, which leaves such weights alone."""
     for m in model.modules():
-        if isinstance(m, Linear):
-            w = m.weight
-            m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-            if (not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.bias is not None or m.row_tile
-                    or not w.is_contiguous()):
-                continue
-            step = blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE else 0
-            if step and w.shape[1] % step == 0:
-                m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
-            elif w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and has_vnni_bf16():
-                m.weight = nn.Parameter(pack_vnni(w.data), requires_grad=False)
-            else:
-                continue
-            m.blocked_out = w.shape[0]
+        if not isinstance(m, Linear):
+            if hasattr(m, "set_cpu_gemm"):  # a module with its own matmul (`TopKRouter`)
+                m.set_cpu_gemm(on)
+            continue
+        w = m.weight
+        m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
+        if (not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.bias is not None or m.row_tile
+                or not w.is_contiguous()):
+            continue
+        step = blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE else 0
+        if step and w.shape[1] % step == 0:
+            m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
+        elif w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and has_vnni_bf16():
+            m.weight = nn.Parameter(pack_vnni(w.data), requires_grad=False)
+        else:
+            continue
+        m.blocked_out = w.shape[0]
 
 
 def process_weights_after_loading(model: nn.Module) -> int:
