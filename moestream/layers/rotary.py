@@ -138,10 +138,12 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions`: [T, R] in `dtype` (rotate-half), or [T, R/2] float32
-        (interleaved), times the rope's attention scale. Reused while the positions' values
-        and the dtype stay the same (compared, not assumed)."""
-        c = self._tables
-        if c is not None and c[1] == dtype and c[0].shape == positions.shape and torch.equal(c[0], positions):
+        (interleaved), times the rope's attention scale. On CPU, reused while the positions'
+        values and the dtype stay the same (compared, not assumed); on an accelerator the
+        comparison would sync the host every layer, so they are computed each call."""
+        c, cached = self._tables, positions.device.type == "cpu"
+        if (cached and c is not None and c[1] == dtype and c[0].shape == positions.shape
+                and torch.equal(c[0], positions)):
             return c[2], c[3]
         if positions.dim() == 2:  # M-RoPE [3, T]: frequency j at its axis's position
             if self.mrope_axis is None:
@@ -154,7 +156,8 @@ class RotaryEmbedding(nn.Module):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # [T, R]
             cos, sin = (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
-        self._tables = (positions.clone(), dtype, cos, sin)
+        if cached:
+            self._tables = (positions.clone(), dtype, cos, sin)
         return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
