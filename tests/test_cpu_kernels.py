@@ -304,6 +304,13 @@ def test_vnni_linear_is_close_and_batch_invariant() -> None:
     for m in (1, 2, 3, 4, 5, 17):
         assert torch.equal(cpu_linear_vnni(x[:m].contiguous(), packed, 1000), got[:m])
     assert torch.equal(cpu_linear_vnni(x[40:41].contiguous(), packed, 1000), got[40:41])
+    bias = torch.randn(1000, generator=g).bfloat16()
+    biased = cpu_linear_vnni(x, packed, 1000, bias)  # the bias added in float32 before the rounding
+    exact_b = exact + bias.double()
+    assert ((biased.double() - exact_b).abs() <= 2.0**-7 * exact_b.abs() + 1e-3).all()
+    assert not torch.equal(biased, got)
+    with pytest.raises(RuntimeError, match=r"bias must be a float \[1000\]"):
+        cpu_linear_vnni(x, packed, 1000, bias[:10])
     with pytest.raises(ValueError, match="no VNNI layout"):
         pack_vnni(w[:, :127].contiguous())  # K odd
     with pytest.raises(RuntimeError, match="packed must be a contiguous bfloat16"):

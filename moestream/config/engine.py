@@ -160,7 +160,7 @@ class EngineConfig:
                                        "RMSNorm (with the residual add) and rotary embedding in one C++ call each, "
                                        "compiled on first use; torch = F.linear (MKL / oneDNN) and PyTorch "
                                        "operators; auto = cpu on CPU in float32/bf16 when it compiles. With "
-                                       "cpu, bias-free bf16 weights are laid out in oneDNN's VNNI layout for "
+                                       "cpu, bf16 weights are laid out in oneDNN's VNNI layout for "
                                        "moestream's kernel at every row count (AVX512_BF16 CPUs; elsewhere "
                                        "they keep oneDNN), and the float32 lm_head in blocks of 16 outputs",
                                choices=("auto", "torch", "cpu"))

@@ -85,15 +85,17 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, 8, 16, k // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
 
 
-def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """bf16 x [M, K] (contiguous rows) @ W.T for W [out_features, K] held as `pack_vnni(W)` ->
-    [M, out_features] bf16: float32 sums, each output's k pairs added in order (`vdpbf16ps`),
-    rounded once; a row's result does not depend on M.
+def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 x [M, K] (contiguous rows) @ W.T (+ bias [out_features], any float dtype) for W
+    [out_features, K] held as `pack_vnni(W)` -> [M, out_features] bf16: float32 sums, each
+    output's k pairs added in order (`vdpbf16ps`), the bias added in float32, rounded once; a
+    row's result does not depend on M.
 
     Raises:
         RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks), or
             a build without AVX512_BF16.
     """
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
-    torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, out)
+    torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, bias, out)
     return out

@@ -198,18 +198,22 @@ inline void vnni_tile(const bf16* A, int64_t lda, const bf16* sb, int64_t pairs,
     for (int c = 0; c < 8; ++c) _mm512_storeu_ps(out + r * VNNI_COLS + c * 16, acc[r][c]);
 }
 
+// bias: float32 [N] or nullptr, added to the float32 sums before the one rounding (as oneDNN's bias)
 template <int R>
 inline void vnni_rows(const bf16* xd, int64_t ldx, int64_t r, const bf16* sb, int64_t pairs, int64_t j0,
-                      int64_t ncols, bf16* od, int64_t N) {
+                      int64_t ncols, const float* bias, bf16* od, int64_t N) {
   alignas(64) float tile[R * VNNI_COLS];
   vnni_tile<R>(xd + r * ldx, ldx, sb, pairs, tile);
   for (int i = 0; i < R; ++i)
-    for (int64_t c = 0; c < ncols; ++c) od[(r + i) * N + j0 + c] = cast<bf16>(tile[i * VNNI_COLS + c]);
+    for (int64_t c = 0; c < ncols; ++c)
+      od[(r + i) * N + j0 + c] = cast<bf16>(bias != nullptr ? tile[i * VNNI_COLS + c] + bias[j0 + c]
+                                                             : tile[i * VNNI_COLS + c]);
 }
 
 constexpr int64_t VNNI_ROW_CHUNK = 48;  // rows per work item (a multiple of the 3-row tile)
 
-void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
+void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                      const at::Tensor& out) {
   const int64_t M = x.size(0), ldx = x.stride(0), pairs = x.size(1) / 2, nsb = packed.size(0);
   const int64_t sb_elems = pairs * 2 * VNNI_COLS, chunks = (M + VNNI_ROW_CHUNK - 1) / VNNI_ROW_CHUNK;
   const bf16* xd = x.data_ptr<bf16>();
@@ -223,15 +227,16 @@ void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
       const bf16* sb = wd + b * sb_elems;
       const int64_t j0 = b * VNNI_COLS, ncols = std::min(VNNI_COLS, N - j0);
       int64_t r = r0;
-      for (; r + 3 <= r1; r += 3) vnni_rows<3>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
-      if (r1 - r == 2) vnni_rows<2>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
-      if (r1 - r == 1) vnni_rows<1>(xd, ldx, r, sb, pairs, j0, ncols, od, N);
+      for (; r + 3 <= r1; r += 3) vnni_rows<3>(xd, ldx, r, sb, pairs, j0, ncols, bias, od, N);
+      if (r1 - r == 2) vnni_rows<2>(xd, ldx, r, sb, pairs, j0, ncols, bias, od, N);
+      if (r1 - r == 1) vnni_rows<1>(xd, ldx, r, sb, pairs, j0, ncols, bias, od, N);
     }
   });
 }
 #endif
 
-void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
+void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                 const at::Tensor& out) {
   TORCH_CHECK(has_vnni_bf16(), "linear_vnni: this build has no AVX512_BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "linear_vnni: x must be a bfloat16 [M, K] with contiguous rows");
@@ -244,9 +249,12 @@ void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
                   out.size(0) == x.size(0) && out.size(1) == N,
               "linear_vnni: out must be a contiguous bfloat16 [M, N]");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->is_floating_point()),
+              "linear_vnni: bias must be a float [", N, "]");
   if (x.size(0) == 0 || N == 0) return;
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  linear_vnni_impl(x, packed, N, out);
+  linear_vnni_impl(x, packed, N, b.defined() ? b.data_ptr<float>() : nullptr, out);
 #endif
 }
 
@@ -273,7 +281,7 @@ TORCH_LIBRARY_FRAGMENT(moestream_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   m.def("linear_blocked(Tensor x, Tensor packed, int N, Tensor(a!) out) -> ()");
   m.def("blocked_step(ScalarType dtype) -> int", &blocked_step);
-  m.def("linear_vnni(Tensor x, Tensor packed, int N, Tensor(a!) out) -> ()");
+  m.def("linear_vnni(Tensor x, Tensor packed, int N, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("has_vnni_bf16() -> bool", &has_vnni_bf16);
 }
 

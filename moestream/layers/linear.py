@@ -195,8 +195,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked_out:
             rows = x.reshape(-1, x.shape[-1]).contiguous()
-            run = cpu_linear_blocked if self.weight.dtype == torch.float32 else cpu_linear_vnni
-            return run(rows, self.weight, self.blocked_out).reshape(*x.shape[:-1], self.blocked_out)
+            if self.weight.dtype == torch.float32:  # blocked float32 weights have no bias
+                out = cpu_linear_blocked(rows, self.weight, self.blocked_out)
+            else:
+                out = cpu_linear_vnni(rows, self.weight, self.blocked_out, self.bias)
+            return out.reshape(*x.shape[:-1], self.blocked_out)
         takes = self.cpu_gemm and self.bias is None and not self.packed and not self.row_tile
         if takes and self.weight.is_contiguous():
             rows = x.numel() // x.shape[-1]
@@ -224,8 +227,8 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
     may be a transposed view: it keeps F.linear); oneDNN-packed weights keep oneDNN.
 
     Some weights are re-laid out once and then take a blocked kernel for every call, whatever
-    the row count (docs/performance.md, "Blocked weights"): every bias-free bf16 weight in
-    oneDNN's VNNI layout (`pack_vnni`, AVX512_BF16 builds; 1.2-2.9x faster than oneDNN's
+    the row count (docs/performance.md, "Blocked weights"): every bf16 weight in oneDNN's VNNI
+    layout (a bias added in float32 before the one rounding) (`pack_vnni`, AVX512_BF16 builds; 1.2-2.9x faster than oneDNN's
     packed weight up to 16 rows, as fast beyond), and a float32 lm_head-wide one
     (`CPU_GEMM_WIDE` outputs or more) in contiguous 16-output blocks (`pack_blocked`, AVX-512
     builds; the unblocked kernel's values bit for bit). Other modules with a `set_cpu_gemm`
@@ -238,10 +241,10 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
             continue
         w = m.weight
         m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
-        if (not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.bias is not None or m.row_tile
-                or not w.is_contiguous()):
+        if not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.row_tile or not w.is_contiguous():
             continue
-        step = blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE else 0
+        step = (blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE and m.bias is None
+                else 0)
         if step and w.shape[1] % step == 0:
             m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
         elif w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and has_vnni_bf16():

@@ -63,18 +63,19 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob, self.config = num_experts, top_k, norm_topk_prob, config
 
     def set_cpu_gemm(self, on: bool) -> None:
-        """Under `gemm_backend` cpu (`layers/linear.py`'s `set_cpu_gemm` calls it): a bias-free
-        bf16 router also keeps its weight in the VNNI layout and computes its logits with
+        """Under `gemm_backend` cpu (`layers/linear.py`'s `set_cpu_gemm` calls it): a bf16
+        router also keeps its weight in the VNNI layout and computes its logits with
         moestream's kernel (oneDNN's unpacked bf16 matmul costs ~50 us a call at decode)."""
         w = self.weight
-        self.vnni = (pack_vnni(w.data) if on and not self.config.float32 and self.bias is None and not self.row_tile
+        self.vnni = (pack_vnni(w.data) if on and not self.config.float32 and not self.row_tile
                      and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0
                      and has_vnni_bf16() else None)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] float32."""
         if self.vnni is not None and x.dtype == torch.bfloat16:
-            return cpu_linear_vnni(x.reshape(-1, x.shape[-1]).contiguous(), self.vnni, self.num_experts).float()
+            return cpu_linear_vnni(x.reshape(-1, x.shape[-1]).contiguous(), self.vnni, self.num_experts,
+                                   self.bias).float()
         if self.config.float32:
             bias = None if self.bias is None else self.bias.float()
             return linear(x.float(), self.weight.float(), bias, row_tile=self.row_tile)
