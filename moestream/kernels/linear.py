@@ -29,17 +29,17 @@ def cpu_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def blocked_step(dtype: torch.dtype) -> int:
-    """The vector step S of `pack_blocked`'s layout for `dtype` in this build (32 for bf16 with
-    AVX512_BF16, 16 for float32 or bf16 without it), or 0 where there is no blocked kernel
-    (builds without AVX-512, other dtypes, kernels that did not build)."""
-    if dtype not in (torch.float32, torch.bfloat16) or not load_cpu_kernels():
+    """The vector step S of `pack_blocked`'s layout for `dtype` in this build (16 for float32),
+    or 0 where there is no blocked kernel (builds without AVX-512, other dtypes, kernels that
+    did not build; bf16 weights take `pack_vnni` instead)."""
+    if dtype != torch.float32 or not load_cpu_kernels():
         return 0
     return torch.ops.moestream_cpu.blocked_step(dtype)
 
 
 def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / 16), K / S, 16, S] (S = `blocked_step(weight.dtype)`; rows past N
-    zero): each block of 16 output rows stored as one contiguous run, k-chunk by k-chunk, for
+    """float32 weight [N, K] -> [ceil(N / 16), K / S, 16, S] (S = `blocked_step(weight.dtype)`; rows
+    past N zero): each block of 16 output rows stored as one contiguous run, k-chunk by k-chunk, for
     `cpu_linear_blocked`.
 
     Raises:

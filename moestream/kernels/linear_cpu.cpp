@@ -41,16 +41,16 @@ void linear_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   });
 }
 
-// ---- the blocked layout: weight [N, K] stored as [ceil(N / 16), K / S, 16, S] (zero rows pad N),
-// S = the dot products' vector step, so that a block of 16 output columns streams from memory
-// as one contiguous run instead of 16 rows read side by side. Each dot product is summed
-// exactly as dot_tile sums it (same vectors, same order, same reduction), so the results equal
-// `linear` on the unpacked weight bit for bit. AVX-512 builds only (`blocked_step` is 0 elsewhere).
+// ---- the blocked layout (float32): weight [N, K] stored as [ceil(N / 16), K / 16, 16, 16] (zero
+// rows pad N), so that a block of 16 output columns streams from memory as one contiguous run
+// instead of 16 rows read side by side. Each dot product is summed exactly as dot_tile sums it
+// (same vectors, same order, same reduction), so the results equal `linear` on the unpacked
+// weight bit for bit. AVX-512 builds only (`blocked_step` is 0 elsewhere); bf16 weights take
+// the VNNI layout below instead.
 
 int64_t blocked_step(at::ScalarType dtype) {
 #if defined(__AVX512F__)
   if (dtype == at::kFloat) return STEP_F32;
-  if (dtype == at::kBFloat16) return STEP_BF16;
 #endif
   (void)dtype;
   return 0;
@@ -62,32 +62,22 @@ constexpr int64_t BLOCK = 16;  // output columns per block
 // out[r][c] (R x C, row-major) for rows A[0..R) against columns c0..c0+C of one block
 // `ahead`: the next block, prefetched k-step by k-step (a tile narrower than the block reads
 // only part of each k-step's run, which the hardware prefetcher does not follow), or nullptr.
-template <typename T, int R, int C>
-inline void blocked_tile(const T* A, int64_t lda, const T* blk, int64_t c0, int64_t kb, const T* ahead, float* out) {
+template <int R, int C>
+inline void blocked_tile(const float* A, int64_t lda, const float* blk, int64_t c0, int64_t kb, const float* ahead,
+                         float* out) {
   static_assert(R * C <= 16, "a tile is at most 16 dot products");
-  constexpr int64_t S = step_of<T>();  // S values of T are one 64-byte line
+  constexpr int64_t S = STEP_F32;  // 16 floats: one 64-byte line
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kb; ++k) {
-    const T* base = blk + (k * BLOCK + c0) * S;
+    const float* base = blk + (k * BLOCK + c0) * S;
     if (ahead != nullptr)
       for (int64_t c = 0; c < BLOCK; ++c)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + (k * BLOCK + c) * S), _MM_HINT_T0);
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same<T, bf16>::value) {
-      __m512bh b[C];
-      for (int c = 0; c < C; ++c) b[c] = (__m512bh)_mm512_loadu_si512(base + c * S);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh a = (__m512bh)_mm512_loadu_si512(A + r * lda + k * S);
-        for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_dpbf16_ps(acc[r * C + c], a, b[c]);
-      }
-      continue;
-    }
-#endif
     __m512 b[C];
-    for (int c = 0; c < C; ++c) b[c] = load16(base + c * S);
+    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_ps(base + c * S);
     for (int r = 0; r < R; ++r) {
-      const __m512 a = load16(A + r * lda + k * S);
+      const __m512 a = _mm512_loadu_ps(A + r * lda + k * S);
       for (int c = 0; c < C; ++c) acc[r * C + c] = _mm512_fmadd_ps(a, b[c], acc[r * C + c]);
     }
   }
@@ -96,38 +86,37 @@ inline void blocked_tile(const T* A, int64_t lda, const T* blk, int64_t c0, int6
   for (int i = 0; i < R * C; ++i) out[i] = sums[4 * (i % 4) + i / 4];
 }
 
-// rows [r, r + R) of one block, in column groups of C; results rounded into od
-template <typename T, int R, int C>
-inline void blocked_rows(const T* xd, int64_t ldx, int64_t r, const T* blk, int64_t kb, int64_t j0, int64_t ncols,
-                         const T* ahead, T* od, int64_t N) {
+// rows [r, r + R) of one block, in column groups of C, into od
+template <int R, int C>
+inline void blocked_rows(const float* xd, int64_t ldx, int64_t r, const float* blk, int64_t kb, int64_t j0,
+                         int64_t ncols, const float* ahead, float* od, int64_t N) {
   float tile[16];
   for (int64_t c0 = 0; c0 < ncols; c0 += C) {
-    blocked_tile<T, R, C>(xd + r * ldx, ldx, blk, c0, kb, C < BLOCK && c0 == 0 ? ahead : nullptr, tile);
+    blocked_tile<R, C>(xd + r * ldx, ldx, blk, c0, kb, C < BLOCK && c0 == 0 ? ahead : nullptr, tile);
     for (int i = 0; i < R; ++i)
-      for (int64_t c = 0; c < C && c0 + c < ncols; ++c) od[(r + i) * N + j0 + c0 + c] = cast<T>(tile[i * C + c]);
+      for (int64_t c = 0; c < C && c0 + c < ncols; ++c) od[(r + i) * N + j0 + c0 + c] = tile[i * C + c];
   }
 }
 
-template <typename T>
 void linear_blocked_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), kb = K / step_of<T>();
-  const int64_t nb = packed.size(0), block_elems = kb * BLOCK * step_of<T>();
-  const T* xd = x.data_ptr<T>();
-  const T* wd = packed.data_ptr<T>();
-  T* od = out.data_ptr<T>();
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0), kb = K / STEP_F32;
+  const int64_t nb = packed.size(0), block_elems = kb * BLOCK * STEP_F32;
+  const float* xd = x.data_ptr<float>();
+  const float* wd = packed.data_ptr<float>();
+  float* od = out.data_ptr<float>();
   at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const T* blk = wd + b * block_elems;
-      const T* next = b + 1 < nb ? blk + block_elems : nullptr;  // prefetched by the first row group
+      const float* blk = wd + b * block_elems;
+      const float* next = b + 1 < nb ? blk + block_elems : nullptr;  // prefetched by the first row group
       const int64_t j0 = b * BLOCK, ncols = std::min(BLOCK, N - j0);
       int64_t r = 0;
       for (; r + ROW_TILE <= M; r += ROW_TILE)
-        blocked_rows<T, 4, 4>(xd, ldx, r, blk, kb, j0, ncols, r == 0 ? next : nullptr, od, N);
-      const T* ahead = r == 0 ? next : nullptr;
+        blocked_rows<4, 4>(xd, ldx, r, blk, kb, j0, ncols, r == 0 ? next : nullptr, od, N);
+      const float* ahead = r == 0 ? next : nullptr;
       switch (M - r) {
-        case 1: blocked_rows<T, 1, 16>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
-        case 2: blocked_rows<T, 2, 8>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
-        case 3: blocked_rows<T, 3, 4>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
+        case 1: blocked_rows<1, 16>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
+        case 2: blocked_rows<2, 8>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
+        case 3: blocked_rows<3, 4>(xd, ldx, r, blk, kb, j0, ncols, ahead, od, N); break;
         default: break;
       }
     }
@@ -138,7 +127,8 @@ void linear_blocked_impl(const at::Tensor& x, const at::Tensor& packed, int64_t 
 void linear_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_blocked: x must be [M, K] with contiguous rows");
   const int64_t S = blocked_step(x.scalar_type());
-  TORCH_CHECK(S > 0, "linear_blocked: no blocked kernel for ", x.scalar_type(), " in this build (AVX-512 only)");
+  TORCH_CHECK(S > 0, "linear_blocked: no blocked kernel for ", x.scalar_type(),
+              " in this build (float32, AVX-512 only)");
   const int64_t K = x.size(1);
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && packed.dim() == 4 &&
                   packed.size(0) == (N + 15) / 16 && packed.size(1) * S == K && packed.size(2) == 16 &&
@@ -150,10 +140,7 @@ void linear_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t N, co
               "linear_blocked: out must be a contiguous [M, N] in x's dtype");
   if (x.size(0) == 0 || N == 0) return;
 #if defined(__AVX512F__)
-  if (x.scalar_type() == at::kFloat)
-    linear_blocked_impl<float>(x, packed, N, out);
-  else
-    linear_blocked_impl<at::BFloat16>(x, packed, N, out);
+  linear_blocked_impl(x, packed, N, out);
 #endif
 }
 

@@ -185,7 +185,7 @@ class Linear(nn.Module):
     packed = False
     packable = True
     cpu_gemm = False  # calls of few rows through moestream's CPU GEMM (`set_cpu_gemm`), set per model
-    blocked_out = 0  # > 0: the weight is `pack_blocked`'s layout of [blocked_out, in] (`set_cpu_gemm`)
+    blocked_out = 0  # > 0: the weight is [blocked_out, in] in `pack_blocked`'s (float32) or `pack_vnni`'s (bf16) layout
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -228,8 +228,9 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
 
     Some weights are re-laid out once and then take a blocked kernel for every call, whatever
     the row count (docs/performance.md, "Blocked weights"): every bf16 weight in oneDNN's VNNI
-    layout (a bias added in float32 before the one rounding) (`pack_vnni`, AVX512_BF16 builds; 1.2-2.9x faster than oneDNN's
-    packed weight up to 16 rows, as fast beyond), and a float32 lm_head-wide one
+    layout (`pack_vnni`, AVX512_BF16 builds; a bias added in float32 before the one rounding;
+    1.2-2.9x faster than oneDNN's packed weight up to 16 rows, as fast beyond), and a bias-free
+    float32 lm_head-wide one
     (`CPU_GEMM_WIDE` outputs or more) in contiguous 16-output blocks (`pack_blocked`, AVX-512
     builds; the unblocked kernel's values bit for bit). Other modules with a `set_cpu_gemm`
     method of their own (`TopKRouter`) are called with `on`. Call it before
@@ -243,8 +244,7 @@ def set_cpu_gemm(model: nn.Module, on: bool) -> None:
         m.cpu_gemm = on and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu"
         if not m.cpu_gemm or m.blocked_out or m.packed or not m.packable or m.row_tile or not w.is_contiguous():
             continue
-        step = (blocked_step(w.dtype) if w.dtype == torch.float32 and w.shape[0] >= CPU_GEMM_WIDE and m.bias is None
-                else 0)
+        step = blocked_step(w.dtype) if w.shape[0] >= CPU_GEMM_WIDE and m.bias is None else 0  # float32 only
         if step and w.shape[1] % step == 0:
             m.weight = nn.Parameter(pack_blocked(w.data), requires_grad=False)
         elif w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 and has_vnni_bf16():

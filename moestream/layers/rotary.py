@@ -166,10 +166,9 @@ class RotaryEmbedding(nn.Module):
                 and k.dim() == 3 and q.stride(-1) == 1 and k.stride(-1) == 1):
             cpu_apply_rotary(q, k, cos, sin, self.interleaved)
             return q, k
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R] in q's dtype; interleaved: [T, 1, R/2] float32
         if self.interleaved:
-            cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R/2] float32
             return _rotate_pairs(q, cos, sin, self.rotary_dim), _rotate_pairs(k, cos, sin, self.rotary_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]
         r = self.rotary_dim
         if r == q.shape[-1]:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
