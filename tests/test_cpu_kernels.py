@@ -26,7 +26,7 @@ from moestream.engine.builder import use_cpu_kernel
 from moestream.experts.interface import ExpertWeights
 from moestream.kernels import build
 from moestream.kernels import fused_moe as kernel
-from moestream.kernels.linear import blocked_step
+from moestream.kernels.linear import blocked_step, has_amx
 from moestream.kernels.paged_attention import paged_decode_attention
 from moestream.kernels.sampling import argmax_rows
 from moestream.sampler import Sampler
@@ -36,6 +36,8 @@ from moestream.layers.expert_executor import ResidentExpertExecutor, _loop, fuse
 from moestream.layers.router import TopKRouter
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
+# bf16 dot products through AVX-512 and, on CPUs with AMX-BF16, through AMX tiles
+AMX = [False] + ([True] if has_amx() else [])
 
 
 def _case(t: int, h: int, i: int, e: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -49,7 +51,7 @@ def _case(t: int, h: int, i: int, e: int, k: int, dtype: torch.dtype, seed: int 
     return x, gate_up, down, bias, ids, weights
 
 
-def _run_kernel(x, gate_up, down, bias, ids, weights, act: ExpertActivation) -> torch.Tensor:
+def _run_kernel(x, gate_up, down, bias, ids, weights, act: ExpertActivation, amx: bool | None = None) -> torch.Tensor:
     order, token_of, counts = sort_by_expert(ids, gate_up.shape[0])
     cl = counts.tolist()
     active = [e for e, c in enumerate(cl) if c]
@@ -57,7 +59,7 @@ def _run_kernel(x, gate_up, down, bias, ids, weights, act: ExpertActivation) -> 
     out = torch.zeros(x.shape, dtype=torch.float32)
     return kernel.fused_moe(x, [gate_up[e] for e in active], [down[e] for e in active], b, token_of,
                             weights.flatten()[order].contiguous(), [cl[e] for e in active],
-                            kernel.ACT_CODES[act.name], act.alpha, act.limit, out)
+                            kernel.ACT_CODES[act.name], act.alpha, act.limit, out, amx=amx)
 
 
 def _oracle(x, gate_up, down, bias, ids, weights, act: ExpertActivation) -> torch.Tensor:
@@ -92,9 +94,11 @@ def test_float32_matches_the_oracle(shape: tuple, act: ExpertActivation) -> None
     assert (got.double() - want).abs().max() < 2e-5 * max(1.0, float(want.abs().max()))
 
 
+@pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "avx512")
 @pytest.mark.parametrize("act", [ExpertActivation(), OAI], ids=["silu", "swigluoai"])
-def test_bf16_as_close_to_the_oracle_as_the_torch_path(act: ExpertActivation) -> None:
-    """bf16 rounds after each op as torch does, so its error is the PyTorch path's."""
+def test_bf16_as_close_to_the_oracle_as_the_torch_path(act: ExpertActivation, amx: bool) -> None:
+    """bf16 rounds after each op as torch does, so its error is the PyTorch path's (H and I
+    multiples of 32: AMX tiles where asked)."""
     case = _case(12, 128, 64, 8, 3, torch.bfloat16, seed=3)
     x, gate_up, down, bias, ids, weights = case
     want = _oracle(*case, act)
@@ -103,7 +107,7 @@ def test_bf16_as_close_to_the_oracle_as_the_torch_path(act: ExpertActivation) ->
     active = [e for e, c in enumerate(cl) if c]
     torch_path = _loop(x, token_of, weights.flatten()[order], cl, active, lambda e: ExpertWeights(gate_up[e], down[e]),
                        0, torch.zeros(x.shape), act, None if not act.bias else _Bias(bias))
-    err_fused = float((_run_kernel(*case, act).double() - want).abs().max())
+    err_fused = float((_run_kernel(*case, act, amx=amx).double() - want).abs().max())
     err_torch = float((torch_path.double() - want).abs().max())
     assert err_fused < 1.5 * err_torch + 1e-3, (err_fused, err_torch)
 
@@ -116,14 +120,18 @@ class _Bias:
         return self.bias[0][e], self.bias[1][e]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_tokens_output_does_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,amx", [(torch.float32, False)] + [(torch.bfloat16, a) for a in AMX],
+                         ids=lambda v: {False: "avx512", True: "amx"}.get(v, str(v)))
+def test_a_tokens_output_does_not_depend_on_the_batch(dtype: torch.dtype, amx: bool) -> None:
     """Each output element sums in a fixed order, whatever the other rows: a token alone and
-    within 24 tokens (several row tiles, other experts active) gives the same bits."""
-    x, gate_up, down, bias, ids, weights = _case(24, 128, 64, 8, 2, dtype, seed=5)
-    batch = _run_kernel(x, gate_up, down, bias, ids, weights, OAI)
-    for t in (0, 7, 23):
-        alone = _run_kernel(x[t : t + 1].clone(), gate_up, down, bias, ids[t : t + 1], weights[t : t + 1], OAI)
+    within 80 tokens (several row tiles, up to three 16-row AMX blocks per expert, other
+    experts active) gives the same bits."""
+    x, gate_up, down, bias, ids, weights = _case(80, 128, 64, 8, 3, dtype, seed=5)
+    batch = _run_kernel(x, gate_up, down, bias, ids, weights, OAI, amx=amx)
+    assert int(torch.bincount(ids.flatten()).max()) > 32
+    for t in (0, 7, 23, 79):
+        alone = _run_kernel(x[t : t + 1].clone(), gate_up, down, bias, ids[t : t + 1], weights[t : t + 1], OAI,
+                            amx=amx)
         assert torch.equal(alone[0], batch[t])
 
 
@@ -188,18 +196,19 @@ INT_FORMATS = [  # (format, bits, strategy, group_size, symmetric, gate and up a
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS, ids=lambda f: "-".join(map(str, f)))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int_experts_equal_the_dequantized_bit_for_bit(fmt: tuple, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,h,i", [(torch.float32, 72, 40), (torch.bfloat16, 72, 40), (torch.bfloat16, 96, 64)])
+def test_int_experts_equal_the_dequantized_bit_for_bit(fmt: tuple, dtype: torch.dtype, h: int, i: int) -> None:
     """fused_moe_int on compressed-tensors int4 / int8 experts (read in place) equals
     fused_moe on the same experts dequantized by `dequantize` (the PyTorch path's weights),
-    bit for bit; H and I that are not multiples of the SIMD width or of the group."""
+    bit for bit; H and I that are not multiples of the SIMD width or of the group, and bf16
+    ones that are multiples of 32 (AMX tiles on CPUs that have them)."""
     from moestream.config.quantization import QuantizationConfig
     from moestream.quantization.registry import make_quant_method
 
     form, bits, strategy, group, symmetric, apart = fmt
     method = make_quant_method(QuantizationConfig("compressed-tensors", format=form, bits=bits, strategy=strategy,
                                                   group_size=group, symmetric=symmetric))
-    t, h, i, e, k = 5, 72, 40, 6, 2
+    t, e, k = 5, 6, 2
     x, _, _, _, ids, weights = _case(t, h, i, e, k, dtype, seed=3)
     g = torch.Generator().manual_seed(7)
     ints, gate_up, down = [], [], []
@@ -286,10 +295,12 @@ def test_blocked_linear_equals_the_unblocked_bit_for_bit() -> None:
         cpu_linear_blocked(x, packed, 2000)
 
 
-def test_vnni_linear_is_close_and_batch_invariant() -> None:
-    """cpu_linear_vnni on pack_vnni's layout (bf16): within one bf16 step of the float64
-    product, a row the same alone or among 70 (N not a multiple of the 128-output block);
-    builds without AVX512_BF16 refuse to pack."""
+@pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "avx512")
+def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
+    """cpu_linear_vnni on pack_vnni's layout (bf16), through AVX512_BF16 or AMX tiles: within
+    one bf16 step of the float64 product, a row the same alone or among 70 (N not a multiple
+    of the 128-output block; more than one 16-row AMX block and 64-row work item); builds
+    without AVX512_BF16 refuse to pack."""
     from moestream.kernels.linear import cpu_linear_vnni, has_vnni_bf16, pack_vnni
 
     g = torch.Generator().manual_seed(9)
@@ -301,14 +312,15 @@ def test_vnni_linear_is_close_and_batch_invariant() -> None:
     packed = pack_vnni(w)
     assert packed.shape == (8, 64, 8, 16, 2)
     x = torch.randn(70, 128, generator=g).bfloat16()
-    got = cpu_linear_vnni(x, packed, 1000)
+    got = cpu_linear_vnni(x, packed, 1000, amx=amx)
     exact = x.double() @ w.double().T
     assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= 2.0**-7 * exact.abs() + 1e-3).all()
     for m in (1, 2, 3, 4, 5, 17):
-        assert torch.equal(cpu_linear_vnni(x[:m].contiguous(), packed, 1000), got[:m])
-    assert torch.equal(cpu_linear_vnni(x[40:41].contiguous(), packed, 1000), got[40:41])
+        assert torch.equal(cpu_linear_vnni(x[:m].contiguous(), packed, 1000, amx=amx), got[:m])
+    assert torch.equal(cpu_linear_vnni(x[40:41].contiguous(), packed, 1000, amx=amx), got[40:41])
+    assert torch.equal(cpu_linear_vnni(x[66:67].contiguous(), packed, 1000, amx=amx), got[66:67])
     bias = torch.randn(1000, generator=g).bfloat16()
-    biased = cpu_linear_vnni(x, packed, 1000, bias)  # the bias added in float32 before the rounding
+    biased = cpu_linear_vnni(x, packed, 1000, bias, amx=amx)  # the bias added in float32 before the rounding
     exact_b = exact + bias.double()
     assert ((biased.double() - exact_b).abs() <= 2.0**-7 * exact_b.abs() + 1e-3).all()
     assert not torch.equal(biased, got)
@@ -318,6 +330,11 @@ def test_vnni_linear_is_close_and_batch_invariant() -> None:
         pack_vnni(w[:, :127].contiguous())  # K odd
     with pytest.raises(RuntimeError, match="packed must be a contiguous bfloat16"):
         cpu_linear_vnni(x, packed, 2000)
+    odd = pack_vnni(w[:, :80].contiguous())  # K not a multiple of AMX's 32
+    x80 = x[:3, :80].contiguous()
+    assert torch.equal(cpu_linear_vnni(x80, odd, 1000), cpu_linear_vnni(x80, odd, 1000, amx=False))
+    with pytest.raises(RuntimeError, match="AMX needs AMX-BF16 and K a multiple of 32"):
+        cpu_linear_vnni(x80, odd, 1000, amx=True)
 
 
 def test_bf16_engine_lm_head_takes_the_vnni_kernel(qwen3_moe_dir: str) -> None:
@@ -539,6 +556,9 @@ def test_fused_applies_by_mean_rows_per_active_expert() -> None:
     bf16, f32 = torch.empty(1, 4, dtype=torch.bfloat16), torch.empty(1, 4)
     assert fused_applies(True, 0, bf16, [12, 0, 12, 0])  # mean 12 over the two active experts
     assert not fused_applies(True, 0, bf16, [13, 0, 12, 0])
+    wide = torch.empty(1, 64, dtype=torch.bfloat16)  # H a multiple of 32: AMX tiles where the CPU has them
+    rows = 64 if has_amx() else 12
+    assert fused_applies(True, 0, wide, [rows, 0, rows, 0]) and not fused_applies(True, 0, wide, [rows + 1, 0, rows, 0])
     assert fused_applies(True, 0, f32, [40, 24, 0, 0]) and not fused_applies(True, 0, f32, [40, 25, 0, 0])
     assert not fused_applies(False, 0, f32, [1, 0, 0, 0])  # off
     assert not fused_applies(True, 4, f32, [1, 0, 0, 0])  # batch-invariant mode

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from moestream.kernels.build import load_cpu_kernels
+from moestream.kernels.linear import has_amx
 from moestream.quantization.method import IntWeights
 
 # ExpertActivation.name -> the kernel's `act` code
@@ -43,9 +44,12 @@ def _ready(bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None
 def fused_moe(x: torch.Tensor, gate_up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
               bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None, token_of: torch.Tensor,
               pair_weight: torch.Tensor, counts: Sequence[int], act: int, alpha: float, limit: float,
-              out: torch.Tensor) -> torch.Tensor:
+              out: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
     """out [T, H] float32 += sum over the listed experts, in order, of
     pair_weight[p] * down_e(act(gate_up_e(x[token_of[p]]))) for expert e's pairs p.
+    amx: bf16 projections through AMX tiles (where H and I are multiples of 32; the others
+    keep the AVX-512 dot products); None: wherever `has_amx()`. Both are batch-invariant but
+    may differ from each other in the last bit.
 
     x [T, H] float32 or bfloat16; gate_up[e] [2I, H] and down[e] [H, I] contiguous in x's
     dtype; bias: per expert (gate_up [2I], down [H]) lists, or None; token_of [P] int64 and
@@ -58,14 +62,15 @@ def fused_moe(x: torch.Tensor, gate_up: Sequence[torch.Tensor], down: Sequence[t
     """
     gu_bias, down_bias = _ready(bias)
     torch.ops.moestream_cpu.fused_moe(x, list(gate_up), list(down), list(gu_bias), list(down_bias), token_of,
-                                      pair_weight, list(counts), act, alpha, limit, out)
+                                      pair_weight, list(counts), act, alpha, limit,
+                                      has_amx() if amx is None else amx, out)
     return out
 
 
 def fused_moe_int(x: torch.Tensor, experts: Sequence[tuple[list[IntWeights], IntWeights]],
                   bias: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None, token_of: torch.Tensor,
                   pair_weight: torch.Tensor, counts: Sequence[int], act: int, alpha: float, limit: float,
-                  out: torch.Tensor) -> torch.Tensor:
+                  out: torch.Tensor, amx: bool | None = None) -> torch.Tensor:
     """`fused_moe` over weight-only integer experts: experts[e] = (gate_up in 1 or 2 row
     blocks, down), as `quantization/packed.py`'s `int_expert` gives them (every block of one
     bit width, flip and group size). The rest as `fused_moe`. Returns out.
@@ -83,5 +88,6 @@ def fused_moe_int(x: torch.Tensor, experts: Sequence[tuple[list[IntWeights], Int
         x, [b.q for b in blocks], [b.scale for b in blocks], [b.zero for b in blocks] if zero else [],
         len(experts[0][0]), [d.q for d in downs], [d.scale for d in downs], [d.zero for d in downs] if zero else [],
         first.bits, first.flip, first.group_size, first.shape[1],
-        list(gu_bias), list(down_bias), token_of, pair_weight, list(counts), act, alpha, limit, out)
+        list(gu_bias), list(down_bias), token_of, pair_weight, list(counts), act, alpha, limit,
+        has_amx() if amx is None else amx, out)
     return out

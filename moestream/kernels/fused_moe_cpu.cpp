@@ -37,6 +37,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "gemm.h"
 
 namespace {
@@ -162,26 +163,111 @@ struct Weights {
   IntFormat format{};
 };
 
+#if defined(MOESTREAM_AMX)
+// The rows of A [P, K] (grouped by expert) as AMX B operands: expert e's rows in blocks of
+// 16, a block [K / 2 pairs][16 rows][2] bf16, the first of expert e's at first[e] (rows past
+// an expert's count are left unset: a tile configured for m rows never reads them).
+at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& start,
+                          const std::vector<int64_t>& counts, std::vector<int64_t>& first) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  first.assign(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + (counts[e] + 15) / 16;
+  at::Tensor packed = at::empty({std::max<int64_t>(first[E], 1) * 16 * K}, at::kBFloat16);
+  bf16* pd = packed.data_ptr<bf16>();
+  std::vector<int64_t> expert_of(first[E]);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t b = first[e]; b < first[e + 1]; ++b) expert_of[b] = e;
+  at::parallel_for(0, first[E], 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t e = expert_of[b], r0 = start[e] + (b - first[e]) * 16;
+      const int64_t m = std::min<int64_t>(16, start[e] + counts[e] - r0);
+      int32_t* dst = reinterpret_cast<int32_t*>(pd + b * 16 * K);  // one int32 = one pair
+      for (int64_t t = 0; t < m; ++t) {
+        const int32_t* src = reinterpret_cast<const int32_t*>(A + (r0 + t) * K);
+        for (int64_t k = 0; k < K / 2; ++k) dst[k * 16 + t] = src[k];
+      }
+    }
+  });
+  return packed;
+}
+
+// out[p][j] (float32, row stride ldo) for the n rows of one expert (their blocks at xb) and
+// 32 consecutive weight rows W (row stride ldw): the weights are the A tiles (16 rows x 32 k
+// each, read in place), the rows the B tile, so C [16 weight rows, m rows] holds the outputs
+// transposed. `shape`: the row count the thread's tiles are configured for (-1: none yet).
+void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, float* out, int64_t ldo,
+                int64_t& shape) {
+  alignas(64) float buf[2][16 * 16];
+  for (int64_t rb = 0; rb < n; rb += 16) {
+    const int64_t m = std::min<int64_t>(16, n - rb);
+    if (m != shape) {
+      const int cb = static_cast<int>(m * 4);
+      moestream_amx::configure({moestream_amx::TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, cb}, {4, 16, cb},
+                                {5, 16, cb}});
+      shape = m;
+    }
+    _tile_zero(4);
+    _tile_zero(5);
+    const bf16* blk = xb + rb * K;  // block rb / 16 of 16 * K elements
+    for (int64_t q = 0; q < K / 32; ++q) {
+      _tile_loadd(2, blk + q * 512, 64);
+      _tile_loadd(0, W + 32 * q, ldw * 2);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_loadd(1, W + 16 * ldw + 32 * q, ldw * 2);
+      _tile_dpbf16ps(5, 1, 2);
+    }
+    _tile_stored(4, buf[0], 64);
+    _tile_stored(5, buf[1], 64);
+    for (int64_t t = 0; t < m; ++t)
+      for (int64_t c = 0; c < 16; ++c) {
+        out[(rb + t) * ldo + c] = buf[0][c * 16 + t];
+        out[(rb + t) * ldo + 16 + c] = buf[1][c * 16 + t];
+      }
+  }
+}
+#endif
+
 // One projection of every expert's rows: out[p] (float32 [P, N], values at the compute
 // dtype's precision) = round(A[p] . W_e) (+ bias_e, rounded again) for the pairs p of expert
 // e, A [P, K] grouped by expert (start[e], counts[e]), W_e [N, K]. Work items: (expert,
 // COL_CHUNK columns). A dot product sums the same whether its row was read in place or
-// dequantized into the scratch (its order depends only on K).
+// dequantized into the scratch (its order depends only on K). amx (bf16, K and N multiples of
+// 32): the dot products through AMX tiles (amx_cols32) instead of gemm.h's, each as
+// batch-invariant.
 template <typename T>
 void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const T*>* bias, int64_t N,
-             const std::vector<int64_t>& start, const std::vector<int64_t>& counts, float* out) {
+             const std::vector<int64_t>& start, const std::vector<int64_t>& counts, bool amx, float* out) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t chunks = (N + COL_CHUNK - 1) / COL_CHUNK;
+#if defined(MOESTREAM_AMX)
+  static_assert(COL_CHUNK == 32, "amx_cols32 computes 32 columns");
+  amx = amx && std::is_same<T, bf16>::value && K % 32 == 0 && N % 32 == 0;
+  std::vector<int64_t> first;
+  at::Tensor pairs;
+  if (amx) pairs = pack_row_pairs(reinterpret_cast<const bf16*>(A), K, start, counts, first);
+#else
+  amx = false;
+#endif
   at::parallel_for(0, E * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<T> scratch(W.ints != nullptr ? COL_CHUNK * K : 0);
+    int64_t shape = -1;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / chunks, j0 = i % chunks * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, N);
       if (counts[e] == 0) continue;
+      const T* rows = W.ints != nullptr ? nullptr : (*W.dense)[e] + j0 * K;
       if (W.ints != nullptr) {
         dequant_rows<T>((*W.ints)[e], W.format, j0, j1, K, scratch.data());
-        gemm_nt<T>(A + start[e] * K, K, counts[e], scratch.data(), j1 - j0, K, 0, j1 - j0,
-                   out + start[e] * N + j0, N);
-      } else {
+        rows = scratch.data();
+      }
+#if defined(MOESTREAM_AMX)
+      if (amx) {
+        amx_cols32(pairs.data_ptr<bf16>() + first[e] * 16 * K, counts[e], K, reinterpret_cast<const bf16*>(rows), K,
+                   out + start[e] * N + j0, N, shape);
+      } else
+#endif
+      if (W.ints != nullptr) {
+        gemm_nt<T>(A + start[e] * K, K, counts[e], rows, j1 - j0, K, 0, j1 - j0, out + start[e] * N + j0, N);
+      } else {  // read in place, prefetching into the next work item's columns
         gemm_nt<T>(A + start[e] * K, K, counts[e], (*W.dense)[e], N, K, j0, j1, out + start[e] * N, N);
       }
       for (int64_t p = start[e]; p < start[e] + counts[e]; ++p)
@@ -191,6 +277,9 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
           out[p * N + j] = v;
         }
     }
+#if defined(MOESTREAM_AMX)
+    if (shape >= 0) _tile_release();
+#endif
   });
 }
 
@@ -198,7 +287,7 @@ template <typename T>
 void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>& w2, int64_t I,
                     at::TensorList gate_up_bias, at::TensorList down_bias,
                     const at::Tensor& token_of, const at::Tensor& pair_weight, const std::vector<int64_t>& counts,
-                    int64_t act, float alpha, float limit, const at::Tensor& out) {
+                    int64_t act, float alpha, float limit, bool amx, const at::Tensor& out) {
   const int64_t E = static_cast<int64_t>(counts.size());
   const int64_t H = x.size(1);
   const int64_t I2 = 2 * I;
@@ -225,7 +314,7 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   });
   at::Tensor h = at::empty({P, I2}, x.options().dtype(at::kFloat));
   float* hd = h.data_ptr<float>();
-  project<T>(xsd, H, w1, bias ? &b1 : nullptr, I2, start, counts, hd);
+  project<T>(xsd, H, w1, bias ? &b1 : nullptr, I2, start, counts, amx, hd);
   at::Tensor a = at::empty({P, I}, x.options());
   T* ad = a.data_ptr<T>();
   at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
@@ -234,7 +323,7 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   // 2. down: y [P, H] float32 (values at the compute dtype's precision)
   at::Tensor y = at::empty({P, H}, x.options().dtype(at::kFloat));
   float* yd = y.data_ptr<float>();
-  project<T>(ad, I, w2, bias ? &b2 : nullptr, H, start, counts, yd);
+  project<T>(ad, I, w2, bias ? &b2 : nullptr, H, start, counts, amx, yd);
   // 3. combine, experts in order: out[t] += y * w (a product, then a sum: no fused multiply-add)
   const int64_t ldo = out.stride(0);
   at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {
@@ -289,25 +378,26 @@ template <typename T>
 void run_dense(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, int64_t I,
                at::TensorList gate_up_bias, at::TensorList down_bias, const at::Tensor& token_of,
                const at::Tensor& pair_weight, const std::vector<int64_t>& cv, int64_t act, double alpha, double limit,
-               const at::Tensor& out) {
+               bool amx, const at::Tensor& out) {
   const int64_t E = static_cast<int64_t>(cv.size());
   std::vector<const T*> p1(E), p2(E);
   for (int64_t e = 0; e < E; ++e) p1[e] = gate_up[e].data_ptr<T>(), p2[e] = down[e].data_ptr<T>();
   Weights<T> w1, w2;
   w1.dense = &p1, w2.dense = &p2;
   fused_moe_impl<T>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
-                    (float)limit, out);
+                    (float)limit, amx, out);
 }
 
 void fused_moe(const at::Tensor& x, at::TensorList gate_up, at::TensorList down, at::TensorList gate_up_bias,
                at::TensorList down_bias,
                const at::Tensor& token_of, const at::Tensor& pair_weight, at::IntArrayRef counts, int64_t act,
-               double alpha, double limit, const at::Tensor& out) {
+               double alpha, double limit, bool amx, const at::Tensor& out) {
   const int64_t E = static_cast<int64_t>(counts.size());
   TORCH_CHECK(E > 0 && static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
               "fused_moe: one gate_up and one down per count");
   const int64_t H = x.size(1), I2 = gate_up[0].size(0);
   TORCH_CHECK(I2 % 2 == 0, "fused_moe: gate_up must have 2I rows");
+  TORCH_CHECK(!amx || moestream_amx::available(), "fused_moe: amx=True but this build or process has no AMX-BF16");
   check_layer("fused_moe", x, E, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, counts, act, out);
   for (int64_t e = 0; e < E; ++e) {
     TORCH_CHECK(gate_up[e].scalar_type() == x.scalar_type() && down[e].scalar_type() == x.scalar_type(),
@@ -321,10 +411,10 @@ void fused_moe(const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
   std::vector<int64_t> cv(counts.begin(), counts.end());
   if (x.scalar_type() == at::kFloat)
     run_dense<float>(x, gate_up, down, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, cv, act, alpha, limit,
-                     out);
+                     amx, out);
   else
     run_dense<bf16>(x, gate_up, down, I2 / 2, gate_up_bias, down_bias, token_of, pair_weight, cv, act, alpha, limit,
-                    out);
+                    amx, out);
 }
 
 // One projection's integer matrices, checked: q[e * blocks + b] [rows, >= K * bits / 8 bytes]
@@ -380,12 +470,13 @@ void fused_moe_int(const at::Tensor& x, at::TensorList gate_up_q, at::TensorList
                    at::TensorList down_scale, at::TensorList down_zero, int64_t bits, int64_t flip,
                    int64_t group_size, int64_t intermediate, at::TensorList gate_up_bias, at::TensorList down_bias,
                    const at::Tensor& token_of, const at::Tensor& pair_weight, at::IntArrayRef counts, int64_t act,
-                   double alpha, double limit, const at::Tensor& out) {
+                   double alpha, double limit, bool amx, const at::Tensor& out) {
   const int64_t E = static_cast<int64_t>(counts.size()), I = intermediate;
   TORCH_CHECK(I > 0, "fused_moe_int: intermediate must be positive");
   TORCH_CHECK((bits == 8 && (flip == 0 || flip == 0x80)) || (bits == 4 && flip == 0),
               "fused_moe_int: bits must be 8 (flip 0 or 128) or 4 (flip 0)");
   TORCH_CHECK(group_size >= 0, "fused_moe_int: group_size must be >= 0 (0: one scale per row)");
+  TORCH_CHECK(!amx || moestream_amx::available(), "fused_moe_int: amx=True but this build or process has no AMX-BF16");
   check_layer("fused_moe_int", x, E, I, gate_up_bias, down_bias, token_of, pair_weight, counts, act, out);
   const int64_t H = x.size(1);
   const IntFormat f{bits, flip};
@@ -397,12 +488,12 @@ void fused_moe_int(const at::Tensor& x, at::TensorList gate_up_q, at::TensorList
     Weights<float> w1, w2;
     w1.ints = &m1, w2.ints = &m2, w1.format = w2.format = f;
     fused_moe_impl<float>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
-                          (float)limit, out);
+                          (float)limit, amx, out);
   } else {
     Weights<bf16> w1, w2;
     w1.ints = &m1, w2.ints = &m2, w1.format = w2.format = f;
     fused_moe_impl<bf16>(x, w1, w2, I, gate_up_bias, down_bias, token_of, pair_weight, cv, act, (float)alpha,
-                         (float)limit, out);
+                         (float)limit, amx, out);
   }
 }
 
@@ -439,11 +530,11 @@ int64_t parallel_threads() {
 
 TORCH_LIBRARY(moestream_cpu, m) {
   m.def("fused_moe(Tensor x, Tensor[] gate_up, Tensor[] down, Tensor[] gate_up_bias, Tensor[] down_bias, "
-        "Tensor token_of, Tensor pair_weight, int[] counts, int act, float alpha, float limit, Tensor(a!) out) -> ()");
+        "Tensor token_of, Tensor pair_weight, int[] counts, int act, float alpha, float limit, bool amx, Tensor(a!) out) -> ()");
   m.def("fused_moe_int(Tensor x, Tensor[] gate_up_q, Tensor[] gate_up_scale, Tensor[] gate_up_zero, "
         "int gate_up_blocks, Tensor[] down_q, Tensor[] down_scale, Tensor[] down_zero, int bits, int flip, "
         "int group_size, int intermediate, Tensor[] gate_up_bias, Tensor[] down_bias, Tensor token_of, "
-        "Tensor pair_weight, int[] counts, int act, float alpha, float limit, Tensor(a!) out) -> ()");
+        "Tensor pair_weight, int[] counts, int act, float alpha, float limit, bool amx, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa);
   m.def("parallel_threads() -> int", &parallel_threads);
 }

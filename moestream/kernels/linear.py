@@ -8,6 +8,8 @@ measured (docs/performance.md)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moestream.kernels.build import load_cpu_kernels
@@ -65,6 +67,13 @@ def cpu_linear_blocked(x: torch.Tensor, packed: torch.Tensor, out_features: int)
     return out
 
 
+@functools.cache
+def has_amx() -> bool:
+    """Whether this build has AMX-BF16 and Linux granted this process the tile state
+    (`cpu_linear_vnni` and the fused MoE kernel then take AMX tiles where the shapes allow)."""
+    return load_cpu_kernels() and torch.ops.moestream_cpu.has_amx()
+
+
 def has_vnni_bf16() -> bool:
     """Whether this build has the bf16 VNNI kernel (`cpu_linear_vnni`: AVX512_BF16)."""
     return load_cpu_kernels() and torch.ops.moestream_cpu.has_vnni_bf16()
@@ -86,16 +95,20 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, amx: bool | None = None) -> torch.Tensor:
     """bf16 x [M, K] (contiguous rows) @ W.T (+ bias [out_features], any float dtype) for W
     [out_features, K] held as `pack_vnni(W)` -> [M, out_features] bf16: float32 sums, each
     output's k pairs added in order (`vdpbf16ps`), the bias added in float32, rounded once; a
-    row's result does not depend on M.
+    row's result does not depend on M. amx: through AMX tiles (TDPBF16PS) or AVX512_BF16
+    (`vdpbf16ps`); None: AMX where `has_amx()` and K is a multiple of 32. The two sum the same
+    pairs in the same order but may round differently in the last bit; each is batch-invariant.
 
     Raises:
-        RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks), or
-            a build without AVX512_BF16.
+        RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks), a
+            build without AVX512_BF16, or amx=True without AMX or with K not a multiple of 32.
     """
+    if amx is None:
+        amx = x.shape[1] % 32 == 0 and has_amx()
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
-    torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, bias, out)
+    torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, bias, amx, out)
     return out

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx.h"
 #include "gemm.h"
 
 #include <cstring>
@@ -220,10 +221,78 @@ void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
     }
   });
 }
+
+#if defined(MOESTREAM_AMX)
+// The same layout through AMX tiles: rows in blocks of up to 16 (the A tile, read from x in
+// place), each super-block's 128 outputs in two halves of 4 C tiles (16 outputs each), a B
+// tile being 16 pairs of one 16-output group (stride 512 bytes in the layout). Needs K a
+// multiple of 32 (whole A tiles). Each output adds its k pairs in order, as TDPBF16PS adds
+// them, whatever the rows around it: a row's result does not depend on M.
+constexpr int64_t AMX_ROW_CHUNK = 64;  // rows per work item (a multiple of the 16-row tile)
+
+void linear_vnni_amx_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
+                          const at::Tensor& out) {
+  using moestream_amx::configure;
+  const int64_t M = x.size(0), ldx = x.stride(0), pairs = x.size(1) / 2, nsb = packed.size(0);
+  const int64_t sb_elems = pairs * 2 * VNNI_COLS, chunks = (M + AMX_ROW_CHUNK - 1) / AMX_ROW_CHUNK;
+  const int64_t line = 2 * VNNI_COLS;  // elements per pair: 128 outputs x 2
+  const bf16* xd = x.data_ptr<bf16>();
+  const bf16* wd = packed.data_ptr<bf16>();
+  bf16* od = out.data_ptr<bf16>();
+  at::parallel_for(0, nsb * chunks, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float buf[16 * 64];
+    int64_t shape = -1;  // the rows the tiles are configured for
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / chunks, r0 = i % chunks * AMX_ROW_CHUNK, r1 = std::min(M, r0 + AMX_ROW_CHUNK);
+      const bf16* sb = wd + b * sb_elems;
+      const int64_t j0 = b * VNNI_COLS, ncols = std::min(VNNI_COLS, N - j0);
+      for (int64_t rb = r0; rb < r1; rb += 16) {
+        const int64_t m = std::min<int64_t>(16, r1 - rb);
+        if (m != shape) {
+          const int mr = static_cast<int>(m);
+          configure({moestream_amx::TileShape{0, mr, 64}, {1, 16, 64}, {6, 16, 64}, {2, mr, 64}, {3, mr, 64},
+                     {4, mr, 64}, {5, mr, 64}});
+          shape = m;
+        }
+        const bf16* a = xd + rb * ldx;
+        for (int64_t half = 0; half < 2 && half * 64 < ncols; ++half) {
+          _tile_zero(2);
+          _tile_zero(3);
+          _tile_zero(4);
+          _tile_zero(5);
+          for (int64_t q = 0; q < pairs / 16; ++q) {
+            const bf16* bq = sb + q * 16 * line + half * 4 * 32;
+            _tile_loadd(0, a + 32 * q, ldx * 2);
+            _tile_loadd(1, bq, line * 2);
+            _tile_dpbf16ps(2, 0, 1);
+            _tile_loadd(6, bq + 32, line * 2);
+            _tile_dpbf16ps(3, 0, 6);
+            _tile_loadd(1, bq + 64, line * 2);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(6, bq + 96, line * 2);
+            _tile_dpbf16ps(5, 0, 6);
+          }
+          _tile_stored(2, buf, 256);
+          _tile_stored(3, buf + 16, 256);
+          _tile_stored(4, buf + 32, 256);
+          _tile_stored(5, buf + 48, 256);
+          const int64_t c0 = j0 + half * 64, cn = std::min<int64_t>(64, ncols - half * 64);
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < cn; ++c)
+              od[(rb + r) * N + c0 + c] = cast<bf16>(bias != nullptr ? buf[r * 64 + c] + bias[c0 + c] : buf[r * 64 + c]);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #endif
 
+bool has_amx() { return moestream_amx::available(); }
+
 void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                 const at::Tensor& out) {
+                 bool amx, const at::Tensor& out) {
   TORCH_CHECK(has_vnni_bf16(), "linear_vnni: this build has no AVX512_BF16");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
               "linear_vnni: x must be a bfloat16 [M, K] with contiguous rows");
@@ -240,8 +309,13 @@ void linear_vnni(const at::Tensor& x, const at::Tensor& packed, int64_t N, const
               "linear_vnni: bias must be a float [", N, "]");
   if (x.size(0) == 0 || N == 0) return;
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  TORCH_CHECK(!amx || (has_amx() && K % 32 == 0), "linear_vnni: AMX needs AMX-BF16 and K a multiple of 32");
+  const float* bd = b.defined() ? b.data_ptr<float>() : nullptr;
+#if defined(MOESTREAM_AMX)
+  if (amx) return linear_vnni_amx_impl(x, packed, N, bd, out);
+#endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  linear_vnni_impl(x, packed, N, b.defined() ? b.data_ptr<float>() : nullptr, out);
+  linear_vnni_impl(x, packed, N, bd, out);
 #endif
 }
 
@@ -268,7 +342,8 @@ TORCH_LIBRARY_FRAGMENT(moestream_cpu, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor(a!) out) -> ()");
   m.def("linear_blocked(Tensor x, Tensor packed, int N, Tensor(a!) out) -> ()");
   m.def("blocked_step(ScalarType dtype) -> int", &blocked_step);
-  m.def("linear_vnni(Tensor x, Tensor packed, int N, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_vnni(Tensor x, Tensor packed, int N, Tensor? bias, bool amx, Tensor(a!) out) -> ()");
+  m.def("has_amx() -> bool", &has_amx);
   m.def("has_vnni_bf16() -> bool", &has_vnni_bf16);
 }
 

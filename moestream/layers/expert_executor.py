@@ -40,6 +40,7 @@ from moestream.config import ExpertActivation
 from moestream.experts.interface import ExpertStore, ExpertWeights, PackedExpert
 from moestream.experts.resident import ResidentExpertStore
 from moestream.kernels.fused_moe import ACT_CODES, fused_moe, fused_moe_int
+from moestream.kernels.linear import has_amx
 from moestream.layers.activation import gated_activation
 from moestream.layers.linear import ONEDNN_ROW_BUCKET, buckets_rows, linear, upcasts
 from moestream.quantization.method import IntWeights
@@ -57,6 +58,9 @@ COMBINE_CHUNK = 1024
 # at 8 rows, 0.91x at 16; float32 1.33x at 16, 1.06x at 32). One rule for the whole layer, so
 # the resident and paged executors, seeing the same counts, always take the same path.
 FUSED_MAX_MEAN_ROWS = {torch.float32: 32, torch.bfloat16: 12}
+# bf16 where the kernel takes AMX tiles (hidden size a multiple of 32): it beats oneDNN up to
+# 48-128 rows per expert (docs/performance.md, "AMX tiles").
+FUSED_MAX_MEAN_ROWS_AMX = 64
 
 
 class ExpertExecutor(Protocol):
@@ -125,11 +129,15 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, keep: torch.Tensor 
 def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]) -> bool:
     """Whether the fused kernel runs this layer: turned on, not batch-invariant, on CPU in
     float32 or bf16, with at most `FUSED_MAX_MEAN_ROWS` rows per active expert on average
-    (counts: pairs per expert, all E of them)."""
+    (`FUSED_MAX_MEAN_ROWS_AMX` where its bf16 projections take AMX tiles; counts: pairs per
+    expert, all E of them)."""
     if not fused or row_tile or x.device.type != "cpu" or x.dtype not in FUSED_MAX_MEAN_ROWS:
         return False
     active = sum(1 for c in counts if c)
-    return active > 0 and sum(counts) <= FUSED_MAX_MEAN_ROWS[x.dtype] * active
+    rows = FUSED_MAX_MEAN_ROWS[x.dtype]
+    if x.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and has_amx():
+        rows = FUSED_MAX_MEAN_ROWS_AMX
+    return active > 0 and sum(counts) <= rows * active
 
 
 FusedOperands = list[ExpertWeights] | list[tuple[list[IntWeights], IntWeights]]
