@@ -44,13 +44,45 @@ namespace {
 
 using namespace moestream_gemm;
 
+#if defined(__AVX512F__)
+// float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds a finite value (and
+// keeps denormals, which vcvtneps2bf16 would flush).
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+
+// v rounded to the compute dtype's precision (bf16: to nearest even, back as float32).
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+#endif
+
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
 // One pair's gated activation: h [2I] (float32 values at the compute dtype's precision) -> a [I].
 template <typename T>
 void activation(const float* h, int64_t I, int64_t act, float alpha, float limit, T* a) {
   if (act == 0) {  // SwiGLU: silu(gate) * up, gate = h[:I], up = h[I:]
-    for (int64_t i = 0; i < I; ++i) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // 16 at a time, the same ops and roundings (exp512: within 1e-7 of expf)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= I; i += 16) {
+      const __m512 g = _mm512_loadu_ps(h + i);
+      const __m512 s = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+      store16(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(h + I + i)));
+    }
+#endif
+    for (; i < I; ++i) {
       const float g = h[i];
       const float s = round_to<T>(g / (1.f + std::exp(-g)));
       a[i] = cast<T>(s * h[I + i]);
@@ -91,18 +123,6 @@ struct IntFormat {
 };
 
 #if defined(__AVX512F__)
-// float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds a finite value (and
-// keeps denormals, which vcvtneps2bf16 would flush).
-inline __m256i to_bf16_bits(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
-}
 // 16 consecutive values from column k (k even for 4 bits) as int32 lanes.
 inline __m512i load_q16(const uint8_t* row, int64_t k, const IntFormat& f) {
   if (f.bits == 8) {
@@ -193,39 +213,94 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
 
 // out[p][j] (float32, row stride ldo) for the n rows of one expert (their blocks at xb) and
 // 32 consecutive weight rows W (row stride ldw): the weights are the A tiles (16 rows x 32 k
-// each, read in place), the rows the B tile, so C [16 weight rows, m rows] holds the outputs
-// transposed. `shape`: the row count the thread's tiles are configured for (-1: none yet).
+// each), the rows the B tiles, so a C tile [16 weight rows, m rows] holds outputs transposed.
+// Rows go 32 at a time (two B tiles, four C tiles: each weight tile loaded serves both), the
+// weights read in place. (Copying them first into contiguous tiles, against the 16 rows' 4 KiB
+// stride at K = 2048, was measured slower: past 32 rows they come from L2 either way.)
+// `shape`: the row counts the thread's tiles are configured for (-1: none yet).
 void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, float* out, int64_t ldo,
                 int64_t& shape) {
-  alignas(64) float buf[2][16 * 16];
-  for (int64_t rb = 0; rb < n; rb += 16) {
-    const int64_t m = std::min<int64_t>(16, n - rb);
-    if (m != shape) {
-      const int cb = static_cast<int>(m * 4);
-      moestream_amx::configure({moestream_amx::TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, cb}, {4, 16, cb},
-                                {5, 16, cb}});
-      shape = m;
+  alignas(64) float buf[4][16 * 16];
+  const bf16* a0 = W;  // the A tiles of k step q: a0 + 32 q and a1 + 32 q, ldw apart per row
+  const bf16* a1 = W + 16 * ldw;
+  for (int64_t rb = 0; rb < n; rb += 32) {
+    const int64_t m1 = std::min<int64_t>(16, n - rb), m2 = std::min<int64_t>(16, std::max<int64_t>(0, n - rb - 16));
+    if (m1 * 17 + m2 != shape) {
+      const int c1 = static_cast<int>(m1 * 4), c2 = static_cast<int>(m2 * 4);
+      using moestream_amx::TileShape;
+      if (m2 > 0)
+        moestream_amx::configure({TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, c1}, {3, 16, c2}, {4, 16, c1},
+                                  {5, 16, c1}, {6, 16, c2}, {7, 16, c2}});
+      else
+        moestream_amx::configure({TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, c1}, {4, 16, c1}, {5, 16, c1}});
+      shape = m1 * 17 + m2;
     }
+    const bf16* b1 = xb + rb * K;  // blocks rb / 16 and rb / 16 + 1, 16 * K elements each
+    const bf16* b2 = b1 + 16 * K;
     _tile_zero(4);
     _tile_zero(5);
-    const bf16* blk = xb + rb * K;  // block rb / 16 of 16 * K elements
-    for (int64_t q = 0; q < K / 32; ++q) {
-      _tile_loadd(2, blk + q * 512, 64);
-      _tile_loadd(0, W + 32 * q, ldw * 2);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_loadd(1, W + 16 * ldw + 32 * q, ldw * 2);
-      _tile_dpbf16ps(5, 1, 2);
+    if (m2 > 0) {
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t q = 0; q < K / 32; ++q) {
+        _tile_loadd(0, a0 + 32 * q, ldw * 2);
+        _tile_loadd(1, a1 + 32 * q, ldw * 2);
+        _tile_loadd(2, b1 + q * 512, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 1, 2);
+        _tile_loadd(3, b2 + q * 512, 64);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+    } else {
+      for (int64_t q = 0; q < K / 32; ++q) {
+        _tile_loadd(2, b1 + q * 512, 64);
+        _tile_loadd(0, a0 + 32 * q, ldw * 2);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_loadd(1, a1 + 32 * q, ldw * 2);
+        _tile_dpbf16ps(5, 1, 2);
+      }
     }
     _tile_stored(4, buf[0], 64);
     _tile_stored(5, buf[1], 64);
-    for (int64_t t = 0; t < m; ++t)
-      for (int64_t c = 0; c < 16; ++c) {
-        out[(rb + t) * ldo + c] = buf[0][c * 16 + t];
-        out[(rb + t) * ldo + 16 + c] = buf[1][c * 16 + t];
-      }
+    if (m2 > 0) {
+      _tile_stored(6, buf[2], 64);
+      _tile_stored(7, buf[3], 64);
+    }
+    for (int64_t half = 0; half < (m2 > 0 ? 2 : 1); ++half) {
+      const int64_t m = half ? m2 : m1, r0 = rb + 16 * half;
+      const float* lo = buf[2 * half];
+      const float* hi = buf[2 * half + 1];
+      for (int64_t t = 0; t < m; ++t)
+        for (int64_t c = 0; c < 16; ++c) {
+          out[(r0 + t) * ldo + c] = lo[c * 16 + t];
+          out[(r0 + t) * ldo + 16 + c] = hi[c * 16 + t];
+        }
+    }
   }
 }
 #endif
+
+constexpr int64_t ITEM_COST = 8;  // a work item's fixed cost, in rows (its 32 weight rows streamed)
+
+// Boundaries [b_0 = 0, ..., b_n = E * chunks] of n contiguous ranges of work items (item i:
+// expert i / chunks) with about equal sums of ITEM_COST + counts[expert] over their items.
+std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& counts, int64_t chunks, int64_t n) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) total += counts[e] > 0 ? chunks * (ITEM_COST + counts[e]) : 0;
+  n = std::max<int64_t>(1, std::min(n, E * chunks));
+  std::vector<int64_t> bounds{0};
+  int64_t acc = 0;
+  for (int64_t i = 0; i < E * chunks && static_cast<int64_t>(bounds.size()) < n; ++i) {
+    const int64_t c = counts[i / chunks];
+    acc += c > 0 ? ITEM_COST + c : 0;
+    if (acc * n >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(i + 1);
+  }
+  while (static_cast<int64_t>(bounds.size()) < n) bounds.push_back(E * chunks);
+  bounds.push_back(E * chunks);
+  return bounds;
+}
 
 // One projection of every expert's rows: out[p] (float32 [P, N], values at the compute
 // dtype's precision) = round(A[p] . W_e) (+ bias_e, rounded again) for the pairs p of expert
@@ -248,10 +323,14 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
 #else
   amx = false;
 #endif
-  at::parallel_for(0, E * chunks, 1, [&](int64_t i0, int64_t i1) {
+  // Work items in expert-major order, split into one contiguous range per thread of about equal
+  // cost (a work item's cost: its weight rows streamed plus its rows computed, ITEM_COST + rows),
+  // since routing is uneven and an equal count of items left one thread idle half the time.
+  const std::vector<int64_t> bounds = balanced_ranges(counts, chunks, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t t0, int64_t t1) {
     std::vector<T> scratch(W.ints != nullptr ? COL_CHUNK * K : 0);
     int64_t shape = -1;
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = bounds[t0]; i < bounds[t1]; ++i) {
       const int64_t e = i / chunks, j0 = i % chunks * COL_CHUNK, j1 = std::min(j0 + COL_CHUNK, N);
       if (counts[e] == 0) continue;
       const T* rows = W.ints != nullptr ? nullptr : (*W.dense)[e] + j0 * K;
@@ -270,12 +349,22 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
       } else {  // read in place, prefetching into the next work item's columns
         gemm_nt<T>(A + start[e] * K, K, counts[e], (*W.dense)[e], N, K, j0, j1, out + start[e] * N, N);
       }
-      for (int64_t p = start[e]; p < start[e] + counts[e]; ++p)
-        for (int64_t j = j0; j < j1; ++j) {
+      if (std::is_same<T, float>::value && bias == nullptr) continue;  // float32: already at its precision
+      for (int64_t p = start[e]; p < start[e] + counts[e]; ++p) {
+        int64_t j = j0;
+#if defined(__AVX512F__)
+        for (; j + 16 <= j1; j += 16) {
+          __m512 v = round16<T>(_mm512_loadu_ps(out + p * N + j));
+          if (bias != nullptr) v = round16<T>(_mm512_add_ps(v, load16((*bias)[e] + j)));
+          _mm512_storeu_ps(out + p * N + j, v);
+        }
+#endif
+        for (; j < j1; ++j) {
           float v = round_to<T>(out[p * N + j]);
           if (bias != nullptr) v = round_to<T>(v + to_f((*bias)[e][j]));
           out[p * N + j] = v;
         }
+      }
     }
 #if defined(MOESTREAM_AMX)
     if (shape >= 0) _tile_release();
@@ -331,7 +420,13 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
       float* o = od + tok[p] * ldo;
       const float* yp = yd + p * H;
       const float wp = w[p];
-      for (int64_t c = c0; c < c1; ++c) {
+      int64_t c = c0;
+#if defined(__AVX512F__)
+      const __m512 wv = _mm512_set1_ps(wp);
+      for (; c + 16 <= c1; c += 16)  // a product, then a sum: two roundings (no FMA contraction)
+        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_mul_ps(_mm512_loadu_ps(yp + c), wv)));
+#endif
+      for (; c < c1; ++c) {
         volatile float prod = yp[c] * wp;  // rounded on its own, as torch's multiply then index_add_
         o[c] += prod;
       }
