@@ -557,9 +557,9 @@ def test_fused_applies_by_mean_rows_per_active_expert() -> None:
     assert fused_applies(True, 0, bf16, [12, 0, 12, 0])  # mean 12 over the two active experts
     assert not fused_applies(True, 0, bf16, [13, 0, 12, 0])
     wide = torch.empty(1, 64, dtype=torch.bfloat16)  # H a multiple of 32: AMX tiles where the CPU has them
-    rows = 64 if has_amx() else 12
+    rows = 256 if has_amx() else 12
     assert fused_applies(True, 0, wide, [rows, 0, rows, 0]) and not fused_applies(True, 0, wide, [rows + 1, 0, rows, 0])
-    assert fused_applies(True, 0, f32, [40, 24, 0, 0]) and not fused_applies(True, 0, f32, [40, 25, 0, 0])
+    assert fused_applies(True, 0, f32, [200, 56, 0, 0]) and not fused_applies(True, 0, f32, [200, 57, 0, 0])
     assert not fused_applies(False, 0, f32, [1, 0, 0, 0])  # off
     assert not fused_applies(True, 4, f32, [1, 0, 0, 0])  # batch-invariant mode
     assert not fused_applies(True, 0, bf16.half(), [1, 0, 0, 0])  # float16: no kernel

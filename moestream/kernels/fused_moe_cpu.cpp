@@ -372,6 +372,13 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
   });
 }
 
+// Experts are run in groups of about GROUP_PAIRS pairs (an expert with more is a group of its
+// own), in order: the buffers between the projections stay a few MiB, in cache, and reused
+// from the heap (whole-batch buffers of a long prefill, tens of MiB, were mapped and
+// page-faulted afresh every call). The combine adds the groups' products in expert order,
+// as it did all at once.
+constexpr int64_t GROUP_PAIRS = 512;
+
 template <typename T>
 void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>& w2, int64_t I,
                     at::TensorList gate_up_bias, at::TensorList down_bias,
@@ -381,57 +388,81 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   const int64_t H = x.size(1);
   const int64_t I2 = 2 * I;
   const bool bias = !gate_up_bias.empty();
-  std::vector<int64_t> start(E + 1, 0);
-  for (int64_t e = 0; e < E; ++e) start[e + 1] = start[e] + counts[e];
-  const int64_t P = start[E];
+  int64_t P = 0, most = 0;  // all pairs; the most in one group
+  for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
+    int64_t n = counts[e0];
+    for (e1 = e0 + 1; e1 < E && n + counts[e1] <= GROUP_PAIRS; ++e1) n += counts[e1];
+    P += n, most = std::max(most, n);
+  }
   if (P == 0) return;
-  const int64_t* tok = token_of.data_ptr<int64_t>();
-  const float* w = pair_weight.data_ptr<float>();
   const T* xd = x.data_ptr<T>();
   float* od = out.data_ptr<float>();
-  std::vector<const T*> b1(E, nullptr), b2(E, nullptr);
-  for (int64_t e = 0; e < E && bias; ++e) {
-    b1[e] = gate_up_bias[e].data_ptr<T>();
-    b2[e] = down_bias[e].data_ptr<T>();
-  }
-  const int64_t ldx = x.stride(0);
-  // 1. gate_up of every pair: h [P, 2I] float32, then the activation into a [P, I] (compute dtype)
-  at::Tensor xs = at::empty({P, H}, x.options());  // the pairs' token rows, grouped by expert
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  // the buffers, sized for the largest group: the pairs' token rows, gate_up's outputs, the
+  // activations, down's outputs
+  at::Tensor xs = at::empty({most, H}, x.options());
+  at::Tensor h = at::empty({most, I2}, x.options().dtype(at::kFloat));
+  at::Tensor a = at::empty({most, I}, x.options());
+  at::Tensor y = at::empty({most, H}, x.options().dtype(at::kFloat));
   T* xsd = xs.data_ptr<T>();
-  at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) std::memcpy(xsd + p * H, xd + tok[p] * ldx, H * sizeof(T));
-  });
-  at::Tensor h = at::empty({P, I2}, x.options().dtype(at::kFloat));
   float* hd = h.data_ptr<float>();
-  project<T>(xsd, H, w1, bias ? &b1 : nullptr, I2, start, counts, amx, hd);
-  at::Tensor a = at::empty({P, I}, x.options());
   T* ad = a.data_ptr<T>();
-  at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) activation<T>(hd + p * I2, I, act, alpha, limit, ad + p * I);
-  });
-  // 2. down: y [P, H] float32 (values at the compute dtype's precision)
-  at::Tensor y = at::empty({P, H}, x.options().dtype(at::kFloat));
   float* yd = y.data_ptr<float>();
-  project<T>(ad, I, w2, bias ? &b2 : nullptr, H, start, counts, amx, yd);
-  // 3. combine, experts in order: out[t] += y * w (a product, then a sum: no fused multiply-add)
-  const int64_t ldo = out.stride(0);
-  at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {
-    for (int64_t p = 0; p < P; ++p) {
-      float* o = od + tok[p] * ldo;
-      const float* yp = yd + p * H;
-      const float wp = w[p];
-      int64_t c = c0;
-#if defined(__AVX512F__)
-      const __m512 wv = _mm512_set1_ps(wp);
-      for (; c + 16 <= c1; c += 16)  // a product, then a sum: two roundings (no FMA contraction)
-        _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_mul_ps(_mm512_loadu_ps(yp + c), wv)));
-#endif
-      for (; c < c1; ++c) {
-        volatile float prod = yp[c] * wp;  // rounded on its own, as torch's multiply then index_add_
-        o[c] += prod;
-      }
+  int64_t p_first = 0;  // the group's first pair
+  for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
+    int64_t n = counts[e0];
+    for (e1 = e0 + 1; e1 < E && n + counts[e1] <= GROUP_PAIRS; ++e1) n += counts[e1];
+    const std::vector<int64_t> cg(counts.begin() + e0, counts.begin() + e1);
+    std::vector<int64_t> start(cg.size() + 1, 0);
+    for (size_t e = 0; e < cg.size(); ++e) start[e + 1] = start[e] + cg[e];
+    const int64_t* tok = token_of.data_ptr<int64_t>() + p_first;
+    const float* w = pair_weight.data_ptr<float>() + p_first;
+    p_first += n;
+    if (n == 0) continue;
+    // the group's slice of the weights and biases
+    std::vector<const T*> d1, d2, b1, b2;
+    std::vector<IntMatrix> i1, i2;
+    Weights<T> g1 = w1, g2 = w2;
+    if (w1.dense != nullptr) {
+      d1.assign(w1.dense->begin() + e0, w1.dense->begin() + e1), g1.dense = &d1;
+      d2.assign(w2.dense->begin() + e0, w2.dense->begin() + e1), g2.dense = &d2;
+    } else {
+      i1.assign(w1.ints->begin() + e0, w1.ints->begin() + e1), g1.ints = &i1;
+      i2.assign(w2.ints->begin() + e0, w2.ints->begin() + e1), g2.ints = &i2;
     }
-  });
+    for (int64_t e = e0; e < e1 && bias; ++e) {
+      b1.push_back(gate_up_bias[e].data_ptr<T>());
+      b2.push_back(down_bias[e].data_ptr<T>());
+    }
+    // 1. gate_up of every pair: h [n, 2I] float32, then the activation into a [n, I] (compute dtype)
+    at::parallel_for(0, n, 64, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) std::memcpy(xsd + p * H, xd + tok[p] * ldx, H * sizeof(T));
+    });
+    project<T>(xsd, H, g1, bias ? &b1 : nullptr, I2, start, cg, amx, hd);
+    at::parallel_for(0, n, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) activation<T>(hd + p * I2, I, act, alpha, limit, ad + p * I);
+    });
+    // 2. down: y [n, H] float32 (values at the compute dtype's precision)
+    project<T>(ad, I, g2, bias ? &b2 : nullptr, H, start, cg, amx, yd);
+    // 3. combine, experts in order: out[t] += y * w (a product, then a sum: no fused multiply-add)
+    at::parallel_for(0, H, 64, [&](int64_t c0, int64_t c1) {
+      for (int64_t p = 0; p < n; ++p) {
+        float* o = od + tok[p] * ldo;
+        const float* yp = yd + p * H;
+        const float wp = w[p];
+        int64_t c = c0;
+#if defined(__AVX512F__)
+        const __m512 wv = _mm512_set1_ps(wp);
+        for (; c + 16 <= c1; c += 16)  // a product, then a sum: two roundings (no FMA contraction)
+          _mm512_storeu_ps(o + c, _mm512_add_ps(_mm512_loadu_ps(o + c), _mm512_mul_ps(_mm512_loadu_ps(yp + c), wv)));
+#endif
+        for (; c < c1; ++c) {
+          volatile float prod = yp[c] * wp;  // rounded on its own, as torch's multiply then index_add_
+          o[c] += prod;
+        }
+      }
+    });
+  }
 }
 
 // The checks every entry point shares: x, out, counts, biases, the pairs. Returns P.

@@ -139,14 +139,17 @@ class TorchAttentionBackend:
             if sinks is not None:
                 out[qs:qe] = _sink_attention(q[qs:qe][None], keys[None], vals[None], mask[None], scale, sinks)[0]
                 continue
+            # 4-d, with K and V repeated to the query heads: on 3-d inputs or with enable_gqa
+            # torch's CPU SDPA takes its math path, 4-8x slower than its flash kernel at a
+            # 128-token prefill (docs/performance.md, "AMX tiles and prefill")
+            group = q.shape[1] // keys.shape[1]
             o = F.scaled_dot_product_attention(
-                q[qs:qe].transpose(0, 1),  # [Hq, n, D]
-                keys.transpose(0, 1),  # [Hk, ctx, D]
-                vals.transpose(0, 1),
+                q[qs:qe].transpose(0, 1)[None],  # [1, Hq, n, D]
+                keys.transpose(0, 1).repeat_interleave(group, 0)[None],  # [1, Hq, ctx, D]
+                vals.transpose(0, 1).repeat_interleave(group, 0)[None],
                 attn_mask=mask,
                 scale=scale,
-                enable_gqa=True,
-            )  # [Hq, n, D]
+            )[0]  # [Hq, n, D]
             out[qs:qe] = o.transpose(0, 1)
         return out
 

@@ -53,14 +53,15 @@ SWIGLU = ExpertActivation()
 COMBINE_CHUNK = 1024
 
 # The fused CPU kernel runs a layer when its active experts have at most this many rows
-# (token, expert pairs) on average (compute dtype -> rows); above it oneDNN's matmuls (AMX in
-# bf16) are faster (docs/performance.md, "Fused MoE kernel": 8 layers of `small`, bf16 1.33x
-# at 8 rows, 0.91x at 16; float32 1.33x at 16, 1.06x at 32). One rule for the whole layer, so
-# the resident and paged executors, seeing the same counts, always take the same path.
-FUSED_MAX_MEAN_ROWS = {torch.float32: 32, torch.bfloat16: 12}
-# bf16 where the kernel takes AMX tiles (hidden size a multiple of 32): it beats oneDNN up to
-# 48-128 rows per expert (docs/performance.md, "AMX tiles").
-FUSED_MAX_MEAN_ROWS_AMX = 64
+# (token, expert pairs) on average (compute dtype -> rows); above it the PyTorch path's
+# matmuls (MKL; oneDNN, with AMX where the CPU has it, in bf16) are faster (docs/performance.md,
+# "AMX tiles and prefill": float32 1.16x at 128 rows; bf16 without AMX tiles 1.18x at 16, 0.81x
+# at 32). One rule for the whole layer, so the resident and paged executors, seeing the same
+# counts, always take the same path.
+FUSED_MAX_MEAN_ROWS = {torch.float32: 128, torch.bfloat16: 12}
+# bf16 where the kernel takes AMX tiles (hidden size a multiple of 32): 1.1-1.7x oneDNN up to
+# 256 rows per expert, the most a default 2048-token step gives 64 experts top-8.
+FUSED_MAX_MEAN_ROWS_AMX = 256
 
 
 class ExpertExecutor(Protocol):
