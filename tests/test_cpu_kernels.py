@@ -23,6 +23,7 @@ from moestream import LLM
 from moestream.config import EngineConfig, ExpertActivation
 from moestream.engine import builder
 from moestream.engine.builder import use_cpu_kernel
+from moestream.engine.model_runner import LOGITS_BUFFER_MAX_BYTES
 from moestream.experts.interface import ExpertWeights
 from moestream.kernels import build
 from moestream.kernels import fused_moe as kernel
@@ -324,6 +325,8 @@ def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
     exact_b = exact + bias.double()
     assert ((biased.double() - exact_b).abs() <= 2.0**-7 * exact_b.abs() + 1e-3).all()
     assert not torch.equal(biased, got)
+    wide = cpu_linear_vnni(x, packed, 1000, bias, amx=amx, out_dtype=torch.float32)  # the logits' one-pass float32
+    assert wide.dtype == torch.float32 and torch.equal(wide, biased.float())
     with pytest.raises(RuntimeError, match=r"bias must be a float \[1000\]"):
         cpu_linear_vnni(x, packed, 1000, bias[:10])
     with pytest.raises(ValueError, match="no VNNI layout"):
@@ -356,6 +359,14 @@ def test_bf16_engine_lm_head_takes_the_vnni_kernel(qwen3_moe_dir: str) -> None:
     assert all(m.vnni is None for m in torch_paths.llm_engine.runner.model.modules() if isinstance(m, TopKRouter))
     for (_, r1), (_, r2) in zip(_generate(kernels, prompts, 1), _generate(torch_paths, prompts, 1)):
         assert (r1.logits[0] - r2.logits[0]).abs().max() < 0.1
+    # the sampled rows' logits go into a buffer the runner keeps across steps (regression: a new
+    # [64, V] float32 tensor a step was ~7 ms of page faults), written in one pass as float32
+    runner = kernels.llm_engine.runner
+    two = runner._logits_out(2)
+    assert two.shape == (2, 151936) and runner._logits_out(2).data_ptr() == two.data_ptr()
+    assert runner._logits_out(LOGITS_BUFFER_MAX_BYTES // (4 * 151936) + 1) is None  # past the cap: a new tensor
+    h = torch.randn(2, model.config.hidden_size).bfloat16()
+    assert torch.equal(model.compute_logits(h, two), model.lm_head(h).float())
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])

@@ -22,7 +22,9 @@ from moestream.layers.recurrent_state import StateMetadata
 from moestream.models.moe_decoder import MoEForCausalLM
 from moestream.multimodal.vision import VisionEncoder
 
-
+LOGITS_BUFFER_MAX_BYTES = 256 << 20
+"""The most memory the runner's logits buffer may hold (bytes): 256 MiB, 441 rows of a
+151936-token vocabulary."""
 
 
 class ModelRunner:
@@ -87,6 +89,9 @@ class ModelRunner:
         self.last_hidden: torch.Tensor | None = None
         self.last_rows: dict[str, tuple[int, int]] = {}
         self.prompt_logprobs: list[PromptLogprobsChunk] = []  # the last step's, for the update phase
+        # the sampled rows' logits are written into this buffer, kept across steps (CPU): a new
+        # [64, 151936] float32 tensor is freshly mapped memory, ~7 ms of page faults a step
+        self._logits_buffer = torch.empty(0, dtype=torch.float32, device=device)
 
     def attention_metadata(self, qsl: list[int], seq_lens: list[int], tables: list[list[int]],
                             slots: list[int], sliding: AttentionMetadata | None = None) -> AttentionMetadata:
@@ -250,4 +255,16 @@ class ModelRunner:
         if not samplers:
             return [], hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=dev)
-        return samplers, self.model.compute_logits(hidden[rows]), num_rows  # [sum(num_rows), V]
+        return samplers, self.model.compute_logits(hidden[rows], self._logits_out(len(sample_rows))), num_rows
+
+    def _logits_out(self, n: int) -> torch.Tensor | None:
+        """A float32 [n, V] view of the logits buffer (grown as needed, up to
+        `LOGITS_BUFFER_MAX_BYTES`), or None (a new tensor: off CPU, or past the cap). The view
+        is valid until the next step's logits overwrite it: the engine samples and updates
+        from it within the step."""
+        vocab = self.model.config.vocab_size
+        if self.device.type != "cpu" or n * vocab * 4 > LOGITS_BUFFER_MAX_BYTES:
+            return None
+        if self._logits_buffer.numel() < n * vocab:
+            self._logits_buffer = torch.empty(n * vocab, dtype=torch.float32, device=self.device)
+        return self._logits_buffer[: n * vocab].view(n, vocab)

@@ -44,27 +44,6 @@ namespace {
 
 using namespace moestream_gemm;
 
-#if defined(__AVX512F__)
-// float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds a finite value (and
-// keeps denormals, which vcvtneps2bf16 would flush).
-inline __m256i to_bf16_bits(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
-}
-
-// v rounded to the compute dtype's precision (bf16: to nearest even, back as float32).
-template <typename T>
-inline __m512 round16(__m512 v) {
-  if constexpr (std::is_same<T, float>::value) return v;
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
-}
-#endif
 
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 

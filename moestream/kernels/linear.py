@@ -55,14 +55,17 @@ def pack_blocked(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, 16, k // s, s).permute(0, 2, 1, 3).contiguous()
 
 
-def cpu_linear_blocked(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+def cpu_linear_blocked(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (contiguous rows) @ W.T for W [out_features, K] held as `pack_blocked(W)` -> [M,
-    out_features] in x's dtype, equal to `cpu_linear(x, W)` bit for bit, at any M.
+    out_features] in x's dtype, equal to `cpu_linear(x, W)` bit for bit, at any M; written into
+    `out` (contiguous, x's dtype) when given.
 
     Raises:
         RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks).
     """
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
     torch.ops.moestream_cpu.linear_blocked(x, packed, out_features, out)
     return out
 
@@ -95,13 +98,17 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                    bias: torch.Tensor | None = None, amx: bool | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, amx: bool | None = None,
+                    out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 x [M, K] (contiguous rows) @ W.T (+ bias [out_features], any float dtype) for W
     [out_features, K] held as `pack_vnni(W)` -> [M, out_features] bf16: float32 sums, each
     output's k pairs added in order (`vdpbf16ps`), the bias added in float32, rounded once; a
     row's result does not depend on M. amx: through AMX tiles (TDPBF16PS) or AVX512_BF16
     (`vdpbf16ps`); None: AMX where `has_amx()` and K is a multiple of 32. The two sum the same
     pairs in the same order but may round differently in the last bit; each is batch-invariant.
+    out_dtype float32: the same bf16 values widened, written in one pass (the bf16 logits'
+    `.float()` without the second copy). out: written in place of a new tensor (contiguous
+    [M, out_features], bf16 or float32; out_dtype is then its dtype).
 
     Raises:
         RuntimeError: shapes, dtypes or layouts that do not match (the operator's checks), a
@@ -109,6 +116,7 @@ def cpu_linear_vnni(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     """
     if amx is None:
         amx = x.shape[1] % 32 == 0 and has_amx()
-    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=out_dtype, device=x.device)
     torch.ops.moestream_cpu.linear_vnni(x, packed, out_features, bias, amx, out)
     return out

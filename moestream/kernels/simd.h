@@ -5,6 +5,8 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <type_traits>
+
 #if defined(__AVX512F__)
 // 16 values as float32: loaded, or bf16 widened (exact: the bits shifted into the high half).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -56,5 +58,27 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+// float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds a finite value (and
+// keeps denormals, which vcvtneps2bf16 would flush).
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+
+// v rounded to the compute dtype's precision (bf16: to nearest even, back as float32).
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same<T, float>::value) return v;
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
 #endif

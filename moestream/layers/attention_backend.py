@@ -170,9 +170,15 @@ class TorchAttentionBackend:
         to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
         bs = meta.block_size
         dev = q.device
+        paged = self.paged_kernel and sinks is None and not latent_values and q.dtype in (torch.float32, torch.bfloat16)
+        if paged and len(decodes) == q.shape[0] == len(meta.seq_lens_cpu):  # decode only: row i is request i's query
+            lens = meta.seq_lens
+            starts = (lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(lens)
+            paged_decode_attention(q, k_cache, v_cache, meta.block_tables, lens, starts, scale, out=out)
+            return
         idx = torch.tensor(decodes, device=dev)
         rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
-        if self.paged_kernel and sinks is None and not latent_values and q.dtype in (torch.float32, torch.bfloat16):
+        if paged:
             lens = meta.seq_lens[idx]  # [b]
             starts = (lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(lens)
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, starts, scale)

@@ -192,6 +192,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    def forward_float(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`self(x).float()`, bit for bit; a weight in the VNNI (bf16) or blocked (float32) layout
+        writes the float32 result in one pass (the lm_head's logits: at 64 rows the separate
+        copy cost ~10 ms), into `out` (float32 [rows, out_features], contiguous) when given."""
+        if self.blocked_out and x.dim() == 2:
+            if self.weight.dtype == torch.float32:
+                return cpu_linear_blocked(x.contiguous(), self.weight, self.blocked_out, out=out)
+            return cpu_linear_vnni(x.contiguous(), self.weight, self.blocked_out, self.bias, out_dtype=torch.float32,
+                                   out=out)
+        return self(x).float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocked_out:
             rows = x.reshape(-1, x.shape[-1]).contiguous()

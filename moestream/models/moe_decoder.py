@@ -95,7 +95,7 @@ class MoEForCausalLM(nn.Module):
             device, a draft pass; inputs_embeds [T, H]: the input embeddings to use instead of
             embedding input_ids, as multimodal prompts give)
         -> hidden states [T, H] (model dtype)
-    compute_logits(hidden [N, H]) -> [N, V] float32
+    compute_logits(hidden [N, H], out: a float32 [N, V] to write into, or None) -> [N, V] float32
     """
 
     # The model family's name in error messages ("Qwen3-MoE").
@@ -218,8 +218,8 @@ class MoEForCausalLM(nn.Module):
             x = layer(positions, x, cache, meta, state_meta)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.lm_head.forward_float(hidden, out)
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def set_fused_moe(self, fused: bool) -> None:
