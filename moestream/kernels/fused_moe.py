@@ -8,7 +8,8 @@ weights bit for bit).
 The operator is compiled on first use (`kernels/build.py`, `load_cpu_kernels`); without a
 compiler the executors keep the PyTorch path (`moe_runner_backend` "auto"). Its SIMD path
 (AVX-512 with AVX512_BF16's `vdpbf16ps` for bf16, AVX2 + FMA, or scalar) is chosen by the
-compiler flags; `kernel_isa()` names it. Its arithmetic follows the
+compiler flags; `kernel_isa()` names it. On CPUs with AMX-BF16 (`has_amx()`) its bf16
+projections take AMX tiles, the expert weights read in place as the A operand. Its arithmetic follows the
 PyTorch path op for op (float32 accumulation, rounding to the compute dtype after each
 projection and pointwise op, products added in expert order), but its dot products sum in
 their own fixed order, so its outputs differ from oneDNN's in the last bits: it is held to

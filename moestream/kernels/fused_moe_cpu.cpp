@@ -22,7 +22,11 @@
 // threads, so an expert's output is the same whatever the batch around it.
 //
 // SIMD: AVX-512F (+ AVX512_BF16's dot-product instruction for bf16), AVX2 + FMA, or scalar,
-// chosen by the compiler flags (-march=native: one build per CPU).
+// chosen by the compiler flags (-march=native: one build per CPU). bf16 with `amx` (AMX-BF16
+// builds; a projection whose K and N are multiples of 32): its dot products through AMX tiles
+// (amx_cols32), each output still summing its k pairs in order whatever the rows around it.
+// The SwiGLU, roundings and combine run 16 lanes at a time with AVX-512 (exp as exp512, within
+// 1e-7 of expf). Experts run in groups of about GROUP_PAIRS pairs, one after another.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
