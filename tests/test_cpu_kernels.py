@@ -121,6 +121,14 @@ class _Bias:
         return self.bias[0][e], self.bias[1][e]
 
 
+def test_more_pairs_than_one_group_match_the_oracle() -> None:
+    """Past ~512 pairs the kernel runs its experts in groups, one after another: 300 tokens x 2
+    (600 pairs, several groups) still match the float64 oracle."""
+    case = _case(300, 64, 32, 8, 2, torch.float32, seed=11)
+    got, want = _run_kernel(*case, OAI), _oracle(*case, OAI)
+    assert (got.double() - want).abs().max() < 2e-5 * max(1.0, float(want.abs().max()))
+
+
 @pytest.mark.parametrize("dtype,amx", [(torch.float32, False)] + [(torch.bfloat16, a) for a in AMX],
                          ids=lambda v: {False: "avx512", True: "amx"}.get(v, str(v)))
 def test_a_tokens_output_does_not_depend_on_the_batch(dtype: torch.dtype, amx: bool) -> None:

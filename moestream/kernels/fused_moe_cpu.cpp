@@ -225,23 +225,17 @@ void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw
     if (m2 > 0) {
       _tile_zero(6);
       _tile_zero(7);
-      for (int64_t q = 0; q < K / 32; ++q) {
-        _tile_loadd(0, a0 + 32 * q, ldw * 2);
-        _tile_loadd(1, a1 + 32 * q, ldw * 2);
-        _tile_loadd(2, b1 + q * 512, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 1, 2);
+    }
+    for (int64_t q = 0; q < K / 32; ++q) {
+      _tile_loadd(0, a0 + 32 * q, ldw * 2);
+      _tile_loadd(1, a1 + 32 * q, ldw * 2);
+      _tile_loadd(2, b1 + q * 512, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 1, 2);
+      if (m2 > 0) {  // the second row block (tiles 3, 6, 7 are configured only then)
         _tile_loadd(3, b2 + q * 512, 64);
         _tile_dpbf16ps(6, 0, 3);
         _tile_dpbf16ps(7, 1, 3);
-      }
-    } else {
-      for (int64_t q = 0; q < K / 32; ++q) {
-        _tile_loadd(2, b1 + q * 512, 64);
-        _tile_loadd(0, a0 + 32 * q, ldw * 2);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_loadd(1, a1 + 32 * q, ldw * 2);
-        _tile_dpbf16ps(5, 1, 2);
       }
     }
     _tile_stored(4, buf[0], 64);
@@ -371,10 +365,12 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   const int64_t H = x.size(1);
   const int64_t I2 = 2 * I;
   const bool bias = !gate_up_bias.empty();
+  std::vector<int64_t> ends;  // each group's end (its experts: from the previous end)
   int64_t P = 0, most = 0;  // all pairs; the most in one group
   for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
     int64_t n = counts[e0];
     for (e1 = e0 + 1; e1 < E && n + counts[e1] <= GROUP_PAIRS; ++e1) n += counts[e1];
+    ends.push_back(e1);
     P += n, most = std::max(most, n);
   }
   if (P == 0) return;
@@ -392,12 +388,12 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   T* ad = a.data_ptr<T>();
   float* yd = y.data_ptr<float>();
   int64_t p_first = 0;  // the group's first pair
-  for (int64_t e0 = 0, e1; e0 < E; e0 = e1) {
-    int64_t n = counts[e0];
-    for (e1 = e0 + 1; e1 < E && n + counts[e1] <= GROUP_PAIRS; ++e1) n += counts[e1];
+  for (size_t g = 0; g < ends.size(); ++g) {
+    const int64_t e0 = g == 0 ? 0 : ends[g - 1], e1 = ends[g];
     const std::vector<int64_t> cg(counts.begin() + e0, counts.begin() + e1);
     std::vector<int64_t> start(cg.size() + 1, 0);
     for (size_t e = 0; e < cg.size(); ++e) start[e + 1] = start[e] + cg[e];
+    const int64_t n = start.back();
     const int64_t* tok = token_of.data_ptr<int64_t>() + p_first;
     const float* w = pair_weight.data_ptr<float>() + p_first;
     p_first += n;

@@ -170,19 +170,21 @@ class TorchAttentionBackend:
         to the longest context, padding and out-of-window keys masked. Writes rows of `out`."""
         bs = meta.block_size
         dev = q.device
-        paged = self.paged_kernel and sinks is None and not latent_values and q.dtype in (torch.float32, torch.bfloat16)
-        if paged and len(decodes) == q.shape[0] == len(meta.seq_lens_cpu):  # decode only: row i is request i's query
-            lens = meta.seq_lens
+        if self.paged_kernel and sinks is None and not latent_values and q.dtype in (torch.float32, torch.bfloat16):
+            # a decode-only step: row i is request i's query, so no per-layer gathers
+            only = len(decodes) == q.shape[0] == len(meta.seq_lens_cpu)
+            idx = None if only else torch.tensor(decodes, device=dev)
+            lens = meta.seq_lens if only else meta.seq_lens[idx]  # [b]
+            tables = meta.block_tables if only else meta.block_tables[idx]
             starts = (lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(lens)
-            paged_decode_attention(q, k_cache, v_cache, meta.block_tables, lens, starts, scale, out=out)
+            if only:
+                paged_decode_attention(q, k_cache, v_cache, tables, lens, starts, scale, out=out)
+            else:
+                rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
+                out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, tables, lens, starts, scale)
             return
         idx = torch.tensor(decodes, device=dev)
         rows = meta.query_start_loc[idx]  # [b] the decode rows of the flat batch
-        if paged:
-            lens = meta.seq_lens[idx]  # [b]
-            starts = (lens - sliding_window).clamp_(min=0) if sliding_window is not None else torch.zeros_like(lens)
-            out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.block_tables[idx], lens, starts, scale)
-            return
         ctx = meta.seq_lens[idx][:, None]  # [b, 1]; the query sits at position ctx - 1
         if sliding_window is None:
             width = (max(meta.seq_lens_cpu[i] for i in decodes) + bs - 1) // bs
