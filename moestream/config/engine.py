@@ -164,6 +164,10 @@ class EngineConfig:
                                        "moestream's kernel at every row count (AVX512_BF16 CPUs; elsewhere "
                                        "they keep oneDNN), and the float32 lm_head in blocks of 16 outputs",
                                choices=("auto", "torch", "cpu"))
+    enforce_eager: bool = option(False, "vLLM's flag: run every step's layers op by op from Python. By default a "
+                                        "decode step's GQA + MoE layers run as one C++ call each (the same "
+                                        "output, bit for bit) where gemm_backend and moe_runner_backend are the "
+                                        "C++ ones and the experts are resident")
     speculative_config: SpeculativeConfig | dict | None = option(
         None, 'speculative decoding, as vLLM: e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4}\'; methods ngram, draft_experts (drafts over resident experts only), mtp '

@@ -228,6 +228,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             set_cpu_gemm(module, cpu_gemm)  # first: it lays the lm_head out for its own kernel
             set_cpu_norm(module, cpu_gemm)
             set_cpu_rotary(module, cpu_gemm)
+    model.set_cpu_decode_layer(cpu_gemm and fused_moe and not config.enforce_eager)
     packed = process_weights_after_loading(model) + (process_weights_after_loading(mtp) if mtp is not None else 0)
     if packed:
         logger.info("%d dense weights prepacked for oneDNN's bf16 matmul", packed)

@@ -80,6 +80,13 @@ class ResidentExpertStore:
         if self.recorder is not None:
             self.recorder.record_layer(layer, topk_ids)
 
+    def hit_counter(self, layer: int, device: torch.device) -> torch.Tensor:
+        """The 0-dim int64 counter `on_route` adds `layer`'s hits to, made (zero) if there is
+        none yet: the C++ decode layer adds to it in place."""
+        if layer not in self._hits:
+            self._hits[layer] = torch.zeros((), dtype=torch.int64, device=device)
+        return self._hits[layer]
+
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         pass
 

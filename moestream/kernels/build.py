@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 _SOURCES = [os.path.join(_HERE, name) for name in ("fused_moe_cpu.cpp", "linear_cpu.cpp", "norm_cpu.cpp",
-                                                        "rotary_cpu.cpp", "paged_attention_cpu.cpp", "sampling_cpu.cpp")]
+                                                        "rotary_cpu.cpp", "paged_attention_cpu.cpp", "sampling_cpu.cpp",
+                                                        "decoder_layer_cpu.cpp")]
 _HEADERS = [os.path.join(_HERE, name) for name in ("simd.h", "gemm.h", "amx.h")]
 # -fopenmp: at::parallel_for is an OpenMP region compiled into the caller; without the flag it
 # runs on one thread whatever torch's thread count (the GOMP symbols resolve to torch's runtime)

@@ -135,10 +135,15 @@ def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]
     if not fused or row_tile or x.device.type != "cpu" or x.dtype not in FUSED_MAX_MEAN_ROWS:
         return False
     active = sum(1 for c in counts if c)
-    rows = FUSED_MAX_MEAN_ROWS[x.dtype]
-    if x.dtype == torch.bfloat16 and x.shape[-1] % 32 == 0 and has_amx():
-        rows = FUSED_MAX_MEAN_ROWS_AMX
-    return active > 0 and sum(counts) <= rows * active
+    return active > 0 and sum(counts) <= fused_max_mean_rows(x.dtype, x.shape[-1]) * active
+
+
+def fused_max_mean_rows(dtype: torch.dtype, hidden_size: int) -> int:
+    """The most rows per active expert, on average, at which the fused kernel runs a layer of
+    this compute dtype (one of `FUSED_MAX_MEAN_ROWS`'s) and hidden size."""
+    if dtype == torch.bfloat16 and hidden_size % 32 == 0 and has_amx():
+        return FUSED_MAX_MEAN_ROWS_AMX
+    return FUSED_MAX_MEAN_ROWS[dtype]
 
 
 FusedOperands = list[ExpertWeights] | list[tuple[list[IntWeights], IntWeights]]

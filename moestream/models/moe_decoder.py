@@ -20,6 +20,7 @@ from moestream.config import ModelConfig
 from moestream.models.config_fields import HFConfigFields
 from moestream.experts.interface import ExpertStore
 from moestream.kernels.fused_moe import ACT_CODES
+from moestream.models.decode_layer_cpu import LayerPlan, decode_rows, layer_plan, run_layer
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Embedding, Linear
@@ -184,6 +185,8 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(type(self), cfg, backend, store, device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.cpu_decode_layer = False  # `set_cpu_decode_layer`
+        self._plans: dict[torch.dtype, list[LayerPlan | None]] = {}  # per compute dtype, per layer
 
     def hf_name(self, name: str) -> str:
         """Checkpoint tensor name of our parameter `name` (the decoder's "model." becomes the
@@ -213,25 +216,63 @@ class MoEForCausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:  # Granite
             x = x * self.config.embedding_multiplier
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
-        for layer in self.model.layers:  # a layer keeps a state, a KV cache, or (Nemotron-H's MLP blocks) neither
+        plans = self._decode_plans(x) if x.device.type == "cpu" and decode_rows(meta, x.shape[0]) else None
+        if plans is not None:  # a decode-only step: covered layers in one C++ call each (`decode_layer_cpu`)
+            rotary = next(layer.self_attn.rotary for layer, p in zip(self.model.layers, plans) if p is not None)
+            cos, sin = rotary.cos_sin(positions, x.dtype) if rotary is not None else (x.new_empty(0),) * 2
+            starts = torch.zeros_like(meta.seq_lens)  # [T] int64: no window
+        for i, layer in enumerate(self.model.layers):  # a state, a KV cache, or (Nemotron-H's MLP blocks) neither
             cache = next(state_iter) if layer.is_linear else next(kv_iter) if layer.has_kv_cache else None
-            x = layer(positions, x, cache, meta, state_meta)
+            plan = plans[i] if plans is not None else None
+            if plan is not None and x.shape[0] <= plan.max_rows:
+                x = run_layer(plan, x, cache, cos, sin, meta, starts)
+            else:
+                x = layer(positions, x, cache, meta, state_meta)
         return self.model.norm(x)
+
+    def _decode_plans(self, x: torch.Tensor) -> list[LayerPlan | None] | None:
+        """Each layer's C++ decode step for x's dtype (`decode_layer_cpu.layer_plan`), made at the
+        first decode step (after loading) and again when a setter below or the expert store's
+        tensors change them; None when no layer is covered or `cpu_decode_layer` is off."""
+        if not self.cpu_decode_layer:
+            return None
+        plans = self._plans.get(x.dtype)
+        if plans is not None and all(p is None or p.gate_up_ptr == self._gate_up_ptr(layer)
+                                     for p, layer in zip(plans, self.model.layers)):
+            return plans if any(p is not None for p in plans) else None
+        plans = [layer_plan(layer, x.dtype) for layer in self.model.layers]
+        if len({id(layer.self_attn.rotary) for layer, p in zip(self.model.layers, plans) if p is not None}) > 1:
+            plans = [None] * len(plans)  # the step's cos and sin are computed once, for one rotary embedding
+        self._plans[x.dtype] = plans
+        return plans if any(p is not None for p in plans) else None
+
+    @staticmethod
+    def _gate_up_ptr(layer: DecoderLayer) -> int:
+        ex = layer.mlp.experts
+        return ex.store.layer_weights(ex.layer_idx)[0].data_ptr()
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         logits = self.lm_head.forward_float(hidden, out)
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
+    def set_cpu_decode_layer(self, on: bool) -> None:
+        """Run the decode-only steps of the layers it covers through the C++ decode layer
+        (`decode_layer_cpu.py`; the same output bit for bit), or never."""
+        self.cpu_decode_layer = on
+        self._plans.clear()
+
     def set_fused_moe(self, fused: bool) -> None:
         """Run every routed-expert layer through the fused CPU kernel where it applies
         (`fused_applies` in layers/expert_executor.py; the kernel's activations, `ACT_CODES`),
         or never."""
+        self._plans.clear()
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.experts.fused = fused and module.experts.act.name in ACT_CODES
 
     def set_routing_modifier(self, modifier: RoutingModifier | None) -> None:
         """An approximate expert mode's routing modifier for every routed-expert layer, or None (exact)."""
+        self._plans.clear()
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.modifier = modifier
@@ -248,6 +289,7 @@ class MoEForCausalLM(nn.Module):
             raise ValueError(f"batch_invariant is not supported for {self.display_name or self.config.model_type} "
                              "(multi-head latent attention and linear-attention layers are not covered); "
                              "turn batch_invariant off")
+        self._plans.clear()
         for module in self.modules():
             if isinstance(module, (Linear, TopKRouter)):
                 module.row_tile = row_tile
