@@ -1,4 +1,4 @@
-// One decoder layer's decode step in one call on CPU (moestream/models/decode_layer_cpu.py builds
+// One decoder layer's decode step in one call on CPU (moestream/models/decoder_layer_cpu.py builds
 // and calls it): the attention block, then the MoE block, of a GQA + softmax-routed MoE layer
 // (Qwen3-MoE, Mixtral, OLMoE) for a step whose requests each bring one new token.
 //

@@ -20,7 +20,7 @@ from moestream.config import ModelConfig
 from moestream.models.config_fields import HFConfigFields
 from moestream.experts.interface import ExpertStore
 from moestream.kernels.fused_moe import ACT_CODES
-from moestream.models.decode_layer_cpu import LayerPlan, decode_rows, layer_plan, run_layer
+from moestream.models.decoder_layer_cpu import LayerPlan, decode_rows, layer_plan, run_layer
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionBackend, AttentionMetadata
 from moestream.layers.linear import Embedding, Linear
@@ -101,6 +101,8 @@ class MoEForCausalLM(nn.Module):
 
     # The model family's name in error messages ("Qwen3-MoE").
     display_name: str = ""
+    # Decode-only steps through the C++ decode layer where it covers a layer (`set_cpu_decode_layer`).
+    cpu_decode_layer: bool = False
     # Checkpoint names of expert e's (gate, up, down) weights in layer l, formatted with l and
     # e; the leading "model." stands for the config's `weight_prefix`.
     expert_names: tuple[str, str, str] = (
@@ -185,7 +187,6 @@ class MoEForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(type(self), cfg, backend, store, device)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.cpu_decode_layer = False  # `set_cpu_decode_layer`
         self._plans: dict[torch.dtype, list[LayerPlan | None]] = {}  # per compute dtype, per layer
 
     def hf_name(self, name: str) -> str:
@@ -217,7 +218,7 @@ class MoEForCausalLM(nn.Module):
             x = x * self.config.embedding_multiplier
         kv_iter, state_iter = iter(kv_caches), iter(state_caches or ())
         plans = self._decode_plans(x) if x.device.type == "cpu" and decode_rows(meta, x.shape[0]) else None
-        if plans is not None:  # a decode-only step: covered layers in one C++ call each (`decode_layer_cpu`)
+        if plans is not None:  # a decode-only step: covered layers in one C++ call each (`decoder_layer_cpu`)
             rotary = next(layer.self_attn.rotary for layer, p in zip(self.model.layers, plans) if p is not None)
             cos, sin = rotary.cos_sin(positions, x.dtype) if rotary is not None else (x.new_empty(0),) * 2
             starts = torch.zeros_like(meta.seq_lens)  # [T] int64: no window
@@ -231,7 +232,7 @@ class MoEForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _decode_plans(self, x: torch.Tensor) -> list[LayerPlan | None] | None:
-        """Each layer's C++ decode step for x's dtype (`decode_layer_cpu.layer_plan`), made at the
+        """Each layer's C++ decode step for x's dtype (`decoder_layer_cpu.layer_plan`), made at the
         first decode step (after loading) and again when a setter below or the expert store's
         tensors change them; None when no layer is covered or `cpu_decode_layer` is off."""
         if not self.cpu_decode_layer:
@@ -240,7 +241,7 @@ class MoEForCausalLM(nn.Module):
         if plans is not None and all(p is None or p.gate_up_ptr == self._gate_up_ptr(layer)
                                      for p, layer in zip(plans, self.model.layers)):
             return plans if any(p is not None for p in plans) else None
-        plans = [layer_plan(layer, x.dtype) for layer in self.model.layers]
+        plans = [layer_plan(layer, x.dtype) if type(layer) is DecoderLayer else None for layer in self.model.layers]
         if len({id(layer.self_attn.rotary) for layer, p in zip(self.model.layers, plans) if p is not None}) > 1:
             plans = [None] * len(plans)  # the step's cos and sin are computed once, for one rotary embedding
         self._plans[x.dtype] = plans
@@ -257,22 +258,22 @@ class MoEForCausalLM(nn.Module):
 
     def set_cpu_decode_layer(self, on: bool) -> None:
         """Run the decode-only steps of the layers it covers through the C++ decode layer
-        (`decode_layer_cpu.py`; the same output bit for bit), or never."""
+        (`decoder_layer_cpu.py`; the same output bit for bit), or never."""
         self.cpu_decode_layer = on
-        self._plans.clear()
+        self._plans = {}
 
     def set_fused_moe(self, fused: bool) -> None:
         """Run every routed-expert layer through the fused CPU kernel where it applies
         (`fused_applies` in layers/expert_executor.py; the kernel's activations, `ACT_CODES`),
         or never."""
-        self._plans.clear()
+        self._plans = {}
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.experts.fused = fused and module.experts.act.name in ACT_CODES
 
     def set_routing_modifier(self, modifier: RoutingModifier | None) -> None:
         """An approximate expert mode's routing modifier for every routed-expert layer, or None (exact)."""
-        self._plans.clear()
+        self._plans = {}
         for module in self.modules():
             if isinstance(module, SparseMoE):
                 module.modifier = modifier
@@ -289,7 +290,7 @@ class MoEForCausalLM(nn.Module):
             raise ValueError(f"batch_invariant is not supported for {self.display_name or self.config.model_type} "
                              "(multi-head latent attention and linear-attention layers are not covered); "
                              "turn batch_invariant off")
-        self._plans.clear()
+        self._plans = {}
         for module in self.modules():
             if isinstance(module, (Linear, TopKRouter)):
                 module.row_tile = row_tile
