@@ -16,8 +16,10 @@
 // positions p in [start, seq_len), w = softmax(s) in float32, out = sum_p w_p v_p rounded to
 // the compute dtype. The dot products run in float32 in a fixed order (SIMD lanes over D,
 // then a fixed tree), the softmax subtracts the maximum (exp: `exp512`, a polynomial, with
-// AVX-512), and the values are summed in position order, so a request's output does not
-// depend on the other requests of the batch.
+// AVX-512) and sums its terms in 16 lanes (position p in lane p % 16, then a fixed tree), and
+// the values are summed in position order (AVX-512: accumulators in registers, each value row
+// widened once for its query heads), so a request's output does not depend on the other
+// requests of the batch. Key and value rows are located block by block, once per request.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -81,6 +83,53 @@ inline void axpy(float* acc, float w, const T* v, int64_t D) {
   for (; d < D; ++d) acc[d] += w * to_f(v[d]);
 }
 
+#if defined(__AVX512F__)
+// acc[h][0:16 NV] += s[h][p] v_p for the HC heads of one pass, over positions [lo, hi): the
+// accumulators stay in registers and each value row is widened once for the pass's heads.
+// Each lane still adds its products in position order (what `axpy` per position does).
+template <typename T, int NV, int HC>
+inline void accumulate_values(const float* scores, int64_t npad, int64_t lo, int64_t hi, const T* const* rows,
+                              float* acc, int64_t Dv) {
+  __m512 a[HC][NV];
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NV; ++j) a[h][j] = _mm512_loadu_ps(acc + h * Dv + 16 * j);
+  for (int64_t p = lo; p < hi; ++p) {
+    const T* vp = rows[p - lo];
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load16(vp + 16 * j);
+    for (int h = 0; h < HC; ++h) {
+      const __m512 w = _mm512_set1_ps(scores[h * npad + (p - lo)]);
+      for (int j = 0; j < NV; ++j) a[h][j] = _mm512_fmadd_ps(w, v[j], a[h][j]);
+    }
+  }
+  for (int h = 0; h < HC; ++h)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + h * Dv + 16 * j, a[h][j]);
+}
+
+// `accumulate_values` for `group` heads of Dv = 16 NV values, in passes of as many heads as
+// keep 8 accumulators; false when Dv is not a width it has.
+template <typename T>
+inline bool accumulate_values_all(const float* scores, int64_t npad, int64_t lo, int64_t hi, const T* const* rows,
+                                  float* acc, int64_t Dv, int64_t group) {
+  int64_t h = 0;
+  switch (Dv) {
+    case 64:
+      for (; h + 2 <= group; h += 2) accumulate_values<T, 4, 2>(scores + h * npad, npad, lo, hi, rows, acc + h * Dv, Dv);
+      for (; h < group; ++h) accumulate_values<T, 4, 1>(scores + h * npad, npad, lo, hi, rows, acc + h * Dv, Dv);
+      return true;
+    case 128:
+      for (; h < group; ++h) accumulate_values<T, 8, 1>(scores + h * npad, npad, lo, hi, rows, acc + h * Dv, Dv);
+      return true;
+    case 32:
+      for (; h + 4 <= group; h += 4) accumulate_values<T, 2, 4>(scores + h * npad, npad, lo, hi, rows, acc + h * Dv, Dv);
+      for (; h < group; ++h) accumulate_values<T, 2, 1>(scores + h * npad, npad, lo, hi, rows, acc + h * Dv, Dv);
+      return true;
+    default:
+      return false;
+  }
+}
+#endif
+
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& starts, double scale,
@@ -102,7 +151,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t bts = block_tables.stride(0);
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, b * Hk, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(group * D), scores, acc(group * Dv);
+    std::vector<float> qf(group * D), scores, acc(group * Dv), inv(group);
+    std::vector<const T*> krows, vrows;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t r = item / Hk, g = item % Hk;
       const int64_t lo = first[r], hi = lens[r], n = hi - lo;
@@ -111,13 +161,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = to_f(qd[r * qs0 + (g * group + h) * qs1 + d]);
       const int64_t npad = (n + 15) / 16 * 16;  // scores padded to whole vectors
       scores.assign(group * npad, 0.f);
+      // the key and value row of each position, block by block (no division per position)
+      krows.resize(npad), vrows.resize(n);
+      for (int64_t p = lo; p < hi;) {
+        const int64_t i = p / bs, end = std::min(hi, (i + 1) * bs);
+        const T* kb = kd + tables[r * bts + i] * ks0 + g * ks2;
+        const T* vb = vd + tables[r * bts + i] * vs0 + g * vs2;
+        for (int64_t o = p - i * bs; p < end; ++p, ++o) krows[p - lo] = kb + o * ks1, vrows[p - lo] = vb + o * vs1;
+      }
+      for (int64_t i = n; i < npad; ++i) krows[i] = krows[n - 1];  // past the end: the last row again (ignored)
 #if defined(__AVX512F__)
       for (int64_t p0 = lo; p0 < hi; p0 += 16) {  // 16 key rows at a time, read for every query head
-        const T* kp[16];
-        for (int64_t i = 0; i < 16; ++i) {
-          const int64_t p = std::min(p0 + i, hi - 1);  // past the end: repeat the last row (ignored)
-          kp[i] = kd + tables[r * bts + p / bs] * ks0 + (p % bs) * ks1 + g * ks2;
-        }
+        const T* const* kp = krows.data() + (p0 - lo);
         float sc16[16];
         for (int64_t h = 0; h < group; ++h) {
           dot16<T>(qf.data() + h * D, kp, D, sc16);
@@ -126,32 +181,39 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
 #else
       for (int64_t p = lo; p < hi; ++p) {  // each key row is read once for the group's query heads
-        const int64_t blk = tables[r * bts + p / bs];
-        const T* kp = kd + blk * ks0 + (p % bs) * ks1 + g * ks2;
+        const T* kp = krows[p - lo];
         for (int64_t h = 0; h < group; ++h) scores[h * npad + (p - lo)] = dot<T>(qf.data() + h * D, kp, D) * sc;
       }
 #endif
-      std::vector<float> inv(group);
       for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * npad;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < n; ++p) m = std::max(m, s[p]);
+        float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
 #if defined(__AVX512F__)
+        int64_t p = 0;
+        __m512 mx = _mm512_set1_ps(m);
+        for (; p + 16 <= n; p += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + p));
+        m = _mm512_reduce_max_ps(mx);
+        for (; p < n; ++p) m = std::max(m, s[p]);
         const __m512 mv = _mm512_set1_ps(m);
-        for (int64_t p = 0; p < npad; p += 16) _mm512_storeu_ps(s + p, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv)));
+        for (p = 0; p < npad; p += 16) _mm512_storeu_ps(s + p, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + p), mv)));
+        __m512 sv = _mm512_setzero_ps();  // lane i sums positions i, i + 16, ... in order; then a fixed tree
+        for (p = 0; p + 16 <= n; p += 16) sv = _mm512_add_ps(sv, _mm512_loadu_ps(s + p));
+        if (p < n) sv = _mm512_add_ps(sv, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - p)) - 1), s + p));
+        sum = _mm512_reduce_add_ps(sv);
 #else
+        for (int64_t p = 0; p < n; ++p) m = std::max(m, s[p]);
         for (int64_t p = 0; p < n; ++p) s[p] = std::exp(s[p] - m);
-#endif
-        float sum = 0.f;
         for (int64_t p = 0; p < n; ++p) sum += s[p];  // in position order
+#endif
         inv[h] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = lo; p < hi; ++p) {
-        const int64_t blk = tables[r * bts + p / bs];
-        const T* vp = vd + blk * vs0 + (p % bs) * vs1 + g * vs2;
-        for (int64_t h = 0; h < group; ++h) axpy<T>(acc.data() + h * Dv, scores[h * npad + (p - lo)], vp, Dv);
-      }
+      bool done = false;
+#if defined(__AVX512F__)
+      done = accumulate_values_all<T>(scores.data(), npad, lo, hi, vrows.data(), acc.data(), Dv, group);
+#endif
+      for (int64_t p = lo; p < hi && !done; ++p)
+        for (int64_t h = 0; h < group; ++h) axpy<T>(acc.data() + h * Dv, scores[h * npad + (p - lo)], vrows[p - lo], Dv);
       for (int64_t h = 0; h < group; ++h)
         for (int64_t d = 0; d < Dv; ++d)
           od[r * os0 + (g * group + h) * os1 + d] = static_cast<T>(acc[h * Dv + d] * inv[h]);
