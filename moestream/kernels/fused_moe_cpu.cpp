@@ -185,9 +185,15 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
       const int64_t e = expert_of[b], r0 = start[e] + (b - first[e]) * 16;
       const int64_t m = std::min<int64_t>(16, start[e] + counts[e] - r0);
       int32_t* dst = reinterpret_cast<int32_t*>(pd + b * 16 * K);  // one int32 = one pair
-      for (int64_t t = 0; t < m; ++t) {
-        const int32_t* src = reinterpret_cast<const int32_t*>(A + (r0 + t) * K);
-        for (int64_t k = 0; k < K / 2; ++k) dst[k * 16 + t] = src[k];
+      // 16 pairs of the 16 rows at a time, transposed as floats (the bits move unchanged);
+      // rows past m repeat row 0 (never read)
+      const float* src[16];
+      for (int64_t t = 0; t < 16; ++t) src[t] = reinterpret_cast<const float*>(A + (r0 + (t < m ? t : 0)) * K);
+      for (int64_t k = 0; k < K / 2; k += 16) {
+        __m512 v[16];
+        for (int t = 0; t < 16; ++t) v[t] = _mm512_loadu_ps(src[t] + k);
+        transpose16x16(v);
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k + j) * 16), v[j]);
       }
     }
   });
@@ -201,8 +207,10 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
 // weights read in place. (Copying them first into contiguous tiles, against the 16 rows' 4 KiB
 // stride at K = 2048, was measured slower: past 32 rows they come from L2 either way.)
 // `shape`: the row counts the thread's tiles are configured for (-1: none yet).
-void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, float* out, int64_t ldo,
-                int64_t& shape) {
+// out holds the outputs rounded to bf16 (and `bias`'s 32 values, when given, added and rounded
+// again), as `project` rounds the other paths' outputs.
+void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, const bf16* bias, float* out,
+                int64_t ldo, int64_t& shape) {
   alignas(64) float buf[4][16 * 16];
   const bf16* a0 = W;  // the A tiles of k step q: a0 + 32 q and a1 + 32 q, ldw apart per row
   const bf16* a1 = W + 16 * ldw;
@@ -244,15 +252,18 @@ void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw
       _tile_stored(6, buf[2], 64);
       _tile_stored(7, buf[3], 64);
     }
-    for (int64_t half = 0; half < (m2 > 0 ? 2 : 1); ++half) {
-      const int64_t m = half ? m2 : m1, r0 = rb + 16 * half;
-      const float* lo = buf[2 * half];
-      const float* hi = buf[2 * half + 1];
-      for (int64_t t = 0; t < m; ++t)
-        for (int64_t c = 0; c < 16; ++c) {
-          out[(r0 + t) * ldo + c] = lo[c * 16 + t];
-          out[(r0 + t) * ldo + 16 + c] = hi[c * 16 + t];
-        }
+    // each C tile [16 columns][m rows] transposed in registers into the rows' outputs
+    for (int64_t tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
+      const int64_t m = tile < 2 ? m1 : m2, r0 = rb + 16 * (tile / 2), c0 = 16 * (tile % 2);
+      __m512 v[16];
+      for (int c = 0; c < 16; ++c) v[c] = _mm512_load_ps(buf[tile] + c * 16);
+      transpose16x16(v);
+      const __m512 b = bias != nullptr ? load16(bias + c0) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < m; ++t) {
+        __m512 y = round16<bf16>(v[t]);
+        if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
+        _mm512_storeu_ps(out + (r0 + t) * ldo + c0, y);
+      }
     }
   }
 }
@@ -317,8 +328,10 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
       }
 #if defined(MOESTREAM_AMX)
       if (amx) {
+        const bf16* b = bias != nullptr ? reinterpret_cast<const bf16*>((*bias)[e]) + j0 : nullptr;
         amx_cols32(pairs.data_ptr<bf16>() + first[e] * 16 * K, counts[e], K, reinterpret_cast<const bf16*>(rows), K,
-                   out + start[e] * N + j0, N, shape);
+                   b, out + start[e] * N + j0, N, shape);
+        continue;  // rounded (and biased) there
       } else
 #endif
       if (W.ints != nullptr) {

@@ -42,6 +42,31 @@ inline __m512 reduce16(const __m512* v) {
 // e^r by its degree-7 Taylor polynomial on |r| <= ln2 / 2 (error below 1e-7 relative), times
 // 2^n through scalef. Inputs at or below -88 give 0 or a subnormal, as expf; no NaN input is
 // expected (the callers pass finite scores minus their maximum).
+// In place: r[i][j] -> r[j][i] for a 16 x 16 float32 matrix held as 16 rows (unpack, then
+// 128-bit lane shuffles: 64 shuffles where 256 scalar moves would do).
+inline void transpose16x16(__m512* r) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + j], lane L: column 4L + j of rows 4i..4i+3
+    b[4 * i] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0x44);
+    b[4 * i + 1] = _mm512_shuffle_ps(a[4 * i], a[4 * i + 2], 0xEE);
+    b[4 * i + 2] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0x44);
+    b[4 * i + 3] = _mm512_shuffle_ps(a[4 * i + 1], a[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 c0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x88), c1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xDD);
+    const __m512 c2 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x88);
+    const __m512 c3 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_f32x4(c0, c2, 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(c1, c3, 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(c0, c2, 0xDD);
+    r[12 + j] = _mm512_shuffle_f32x4(c1, c3, 0xDD);
+  }
+}
+
 inline __m512 exp512(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
