@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -29,13 +31,22 @@ template <typename T> inline float to_f(T v) { return static_cast<float>(v); }
 // sum of x^2 in float32: 16 independent lanes (the compiler vectorizes them), then lane 0..15, then the tail
 template <typename T>
 float sum_squares(const T* x, int64_t D) {
-  float lanes[16] = {0.f};
+  alignas(64) float lanes[16] = {0.f};
   const int64_t dv = D / 16 * 16;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < dv; k += 16) {
+    const __m512 v = load16(x + k);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));  // a product, then a sum, as the scalar lanes
+  }
+  _mm512_store_ps(lanes, acc);
+#else
   for (int64_t k = 0; k < dv; k += 16)
     for (int l = 0; l < 16; ++l) {
       const float v = to_f(x[k + l]);
       lanes[l] += v * v;
     }
+#endif
   float s = 0.f;
   for (int l = 0; l < 16; ++l) s += lanes[l];
   for (int64_t k = dv; k < D; ++k) s += to_f(x[k]) * to_f(x[k]);
@@ -45,11 +56,30 @@ float sum_squares(const T* x, int64_t D) {
 template <typename T>
 void norm_row(const T* x, const T* w, float eps, bool unit_offset, int64_t D, T* y) {
   const float r = 1.f / std::sqrt(sum_squares(x, D) / static_cast<float>(D) + eps);
-  if (unit_offset) {
-    for (int64_t k = 0; k < D; ++k) y[k] = static_cast<T>(to_f(x[k]) * r * (1.f + to_f(w[k])));
-  } else {
-    for (int64_t k = 0; k < D; ++k) y[k] = static_cast<T>(to_f(w[k]) * to_f(static_cast<T>(to_f(x[k]) * r)));
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
+  for (; k + 16 <= D; k += 16) {  // the same products and roundings, 16 at a time
+    const __m512 xr = _mm512_mul_ps(load16(x + k), rv);
+    store16(y + k, unit_offset ? _mm512_mul_ps(xr, _mm512_add_ps(one, load16(w + k)))
+                               : _mm512_mul_ps(load16(w + k), round16<T>(xr)));
   }
+#endif
+  if (unit_offset) {
+    for (; k < D; ++k) y[k] = static_cast<T>(to_f(x[k]) * r * (1.f + to_f(w[k])));
+  } else {
+    for (; k < D; ++k) y[k] = static_cast<T>(to_f(w[k]) * to_f(static_cast<T>(to_f(x[k]) * r)));
+  }
+}
+
+// h[0:D] = dtype(residual + x), as torch's add rounds.
+template <typename T>
+void add_row(const T* residual, const T* x, int64_t D, T* h) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  for (; k + 16 <= D; k += 16) store16(h + k, _mm512_add_ps(load16(residual + k), load16(x + k)));
+#endif
+  for (; k < D; ++k) h[k] = static_cast<T>(to_f(residual[k]) + to_f(x[k]));
 }
 
 void check(const at::Tensor& x, const at::Tensor& weight, const char* op) {
@@ -77,7 +107,7 @@ void run(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weig
       const T* src = xd + r * D;
       if (hd != nullptr) {
         T* dst = hd + r * D;
-        for (int64_t k = 0; k < D; ++k) dst[k] = static_cast<T>(to_f(rd[r * D + k]) + to_f(src[k]));
+        add_row<T>(rd + r * D, src, D, dst);
         src = dst;
       }
       norm_row<T>(src, wd, e, unit_offset, D, yd + r * D);

@@ -7,7 +7,7 @@ varlen/paged call) can implement the same `forward` later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +42,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     sliding: AttentionMetadata | None = None
+    # What every layer of the step derives alike (a prefill's masks), made by the first layer
+    # that needs it (`TorchAttentionBackend._prefill_mask`); not part of the metadata's value.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class AttentionBackend(Protocol):
@@ -123,16 +126,16 @@ class TorchAttentionBackend:
             n = qe - qs
             # with a window, the keys from the first block the first query can see
             first = 0 if sliding_window is None else max(0, ctx - n - sliding_window + 1) // bs
-            blocks = meta.block_tables[i, first : (ctx + bs - 1) // bs]
-            keys = gather_blocks(k_cache, blocks).flatten(0, 1)[: ctx - first * bs]  # [S, Hk, D]
-            # [S, Hk, Dv]; MLA: the values are the latent part of the keys
-            vals = keys[..., :latent_values] if latent_values else gather_blocks(v_cache, blocks).flatten(0, 1)[
-                : ctx - first * bs]
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]  # [n, 1]
-            k_pos = torch.arange(first * bs, ctx, device=q.device)[None, :]  # [1, S]
-            mask = k_pos <= q_pos  # [n, ctx]
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
+            if n == ctx and first == 0 and not latent_values and v is not None and k.dtype == k_cache.dtype:
+                # a prompt's first chunk: its keys and values are this step's, just written
+                keys, vals = k[qs:qe], v[qs:qe]  # [S, Hk, D], [S, Hk, Dv]
+            else:
+                blocks = meta.block_tables[i, first : (ctx + bs - 1) // bs]
+                keys = gather_blocks(k_cache, blocks).flatten(0, 1)[: ctx - first * bs]  # [S, Hk, D]
+                # [S, Hk, Dv]; MLA: the values are the latent part of the keys
+                vals = keys[..., :latent_values] if latent_values else gather_blocks(v_cache, blocks).flatten(0, 1)[
+                    : ctx - first * bs]
+            mask = self._prefill_mask(meta, i, n, ctx, first * bs, sliding_window, q.device)  # [n, S] bool
             if latent_values:  # one shared latent head: [n * Hq, D] @ [D, ctx], no per-head copies
                 out[qs:qe] = _latent_attention(q[qs:qe], keys[:, 0], vals[:, 0], mask[:, None, :], scale)
                 continue
@@ -147,11 +150,40 @@ class TorchAttentionBackend:
                 q[qs:qe].transpose(0, 1)[None],  # [1, Hq, n, D]
                 keys.transpose(0, 1).repeat_interleave(group, 0)[None],  # [1, Hq, ctx, D]
                 vals.transpose(0, 1).repeat_interleave(group, 0)[None],
-                attn_mask=mask,
+                attn_mask=self._additive_mask(meta, i, mask, sliding_window, q.dtype),
                 scale=scale,
             )[0]  # [Hq, n, D]
             out[qs:qe] = o.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _prefill_mask(meta: AttentionMetadata, i: int, n: int, ctx: int, key_start: int, sliding_window: int | None,
+                      device: torch.device) -> torch.Tensor:
+        """Request i's mask [n, ctx - key_start] bool: its n queries at positions ctx - n ..
+        ctx - 1 against key positions key_start .. ctx - 1 (causal, and inside the window);
+        made once a step (`meta.memo`)."""
+        key = ("mask", i, sliding_window)
+        mask = meta.memo.get(key)
+        if mask is None:
+            q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]  # [n, 1]
+            k_pos = torch.arange(key_start, ctx, device=device)[None, :]  # [1, S]
+            mask = k_pos <= q_pos  # [n, S]
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            meta.memo[key] = mask
+        return mask
+
+    @staticmethod
+    def _additive_mask(meta: AttentionMetadata, i: int, mask: torch.Tensor, sliding_window: int | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as the additive mask scaled_dot_product_attention makes of a bool one (0
+        where True, -inf where False, in the query's dtype), made once a step."""
+        key = ("additive", i, sliding_window, dtype)
+        add = meta.memo.get(key)
+        if add is None:
+            add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            meta.memo[key] = add
+        return add
 
     def _batched_decode(
         self,
