@@ -33,7 +33,7 @@ from moestream.kernels.sampling import argmax_rows
 from moestream.sampler import Sampler
 from moestream.sampling_params import SamplingParams
 from moestream.experts.resident import ResidentExpertStore
-from moestream.layers.expert_executor import ResidentExpertExecutor, _loop, fused_applies, sort_by_expert
+from moestream.layers.expert_executor import ResidentExpertExecutor, _loop, fused_amx, fused_applies, sort_by_expert
 from moestream.layers.router import TopKRouter
 
 OAI = ExpertActivation("swigluoai", alpha=1.702, limit=7.0, bias=True)
@@ -585,6 +585,17 @@ def test_fused_applies_by_mean_rows_per_active_expert() -> None:
     # regression: an empty batch (no pairs) passed the mean test and the resident executor
     # then indexed an empty expert list
     assert not fused_applies(True, 0, torch.empty(0, 4), [0, 0, 0, 0])
+
+
+def test_fused_amx_by_mean_rows_per_active_expert() -> None:
+    """AMX tiles for bf16 only past 2 pairs per active expert on average (fewer stream the
+    weights faster through the dot products), float32 never; the paged executor decides once
+    per layer call (its waves then agree with the resident executor: test_paged_equals_resident)."""
+    bf16, f32 = torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(1, 64)
+    assert not fused_amx(bf16, [2, 0, 2, 2])  # mean 2
+    assert fused_amx(bf16, [3, 0, 2, 2]) == has_amx()  # mean 7/3
+    assert fused_amx(bf16, [40, 0, 0, 0]) == has_amx()
+    assert not fused_amx(f32, [40, 0, 0, 0])
 
 
 def test_resident_executor_on_an_empty_batch() -> None:

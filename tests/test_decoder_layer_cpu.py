@@ -108,8 +108,8 @@ def test_sliding_window_layers_are_not_covered(mixtral_dir: str, layer_calls: li
 def test_bad_input_is_refused() -> None:
     cls = torch.classes.moestream_cpu.DecoderLayer
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        cls(4, 3, 16, 0.25, False, 2, True, True, 1.0, 0, 1.0, 0.0, False, 12)
-    layer = cls(4, 2, 16, 0.25, False, 2, True, True, 1.0, 0, 1.0, 0.0, False, 12)
+        cls(4, 3, 16, 0.25, False, 2, True, True, 1.0, 0, 1.0, 0.0, False, 2, 12)
+    layer = cls(4, 2, 16, 0.25, False, 2, True, True, 1.0, 0, 1.0, 0.0, False, 2, 12)
     with pytest.raises(RuntimeError, match="which must be 0-4"):
         layer.set_linear(5, torch.zeros(4, 4), torch.empty(0), 3, 4, 0, False)
     with pytest.raises(RuntimeError, match="gate_up \\[E, 2I, H\\]"):

@@ -78,7 +78,8 @@ struct DecoderLayer : torch::CustomClassHolder {
   double routed_scaling_factor;
   int64_t act;
   double alpha, limit;
-  bool amx;
+  bool amx;                      // AMX tiles allowed (the CPU has them) ...
+  int64_t amx_min_mean_rows;     // ... and taken past this many pairs per active expert (`fused_amx`)
   int64_t fused_max_mean_rows;
   at::Tensor hits;                            // 0-dim int64: the store's hit counter of this layer
   std::vector<at::Tensor> gate_up, down;      // per expert: [2I, H], [H, I]
@@ -94,11 +95,11 @@ struct DecoderLayer : torch::CustomClassHolder {
 
   DecoderLayer(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, bool interleaved, int64_t top_k,
                bool norm_topk_prob, bool topk_sorted, double routed_scaling_factor, int64_t act, double alpha,
-               double limit, bool amx, int64_t fused_max_mean_rows)
+               double limit, bool amx, int64_t amx_min_mean_rows, int64_t fused_max_mean_rows)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), scale(scale), eps(0), qk_eps(0), unit_offset(false),
         qk_unit_offset(false), interleaved(interleaved), top_k(top_k), norm_topk_prob(norm_topk_prob),
         topk_sorted(topk_sorted), routed_scaling_factor(routed_scaling_factor), act(act), alpha(alpha), limit(limit),
-        amx(amx), fused_max_mean_rows(fused_max_mean_rows) {
+        amx(amx), amx_min_mean_rows(amx_min_mean_rows), fused_max_mean_rows(fused_max_mean_rows) {
     TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0,
                 "DecoderLayer: heads must be a positive multiple of kv_heads");
     TORCH_CHECK(top_k > 0 && fused_max_mean_rows > 0, "DecoderLayer: top_k and fused_max_mean_rows must be positive");
@@ -219,7 +220,8 @@ struct DecoderLayer : torch::CustomClassHolder {
       tok[slot] = p / top_k, pw[slot] = wd[p];
     }
     at::Tensor out = at::zeros({T, x.size(1)}, x.options().dtype(at::kFloat));
-    fused_moe.call(hn, gu, dn, {}, {}, token_of, pair_weight, active_counts, act, alpha, limit, amx, out);
+    fused_moe.call(hn, gu, dn, {}, {}, token_of, pair_weight, active_counts, act, alpha, limit,
+                   amx && P > amx_min_mean_rows * active, out);
     return residual + out.to(x.scalar_type());
   }
 };
@@ -229,7 +231,7 @@ struct DecoderLayer : torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(moestream_cpu, m) {
   m.class_<DecoderLayer>("DecoderLayer")
       .def(torch::init<int64_t, int64_t, int64_t, double, bool, int64_t, bool, bool, double, int64_t, double, double,
-                       bool, int64_t>())
+                       bool, int64_t, int64_t>())
       .def("set_norms", &DecoderLayer::set_norms)
       .def("set_linear", &DecoderLayer::set_linear)
       .def("set_experts", &DecoderLayer::set_experts)

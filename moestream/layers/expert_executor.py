@@ -62,6 +62,10 @@ FUSED_MAX_MEAN_ROWS = {torch.float32: 128, torch.bfloat16: 12}
 # bf16 where the kernel takes AMX tiles (hidden size a multiple of 32): 1.1-1.7x oneDNN up to
 # 256 rows per expert, the most a default 2048-token step gives 64 experts top-8.
 FUSED_MAX_MEAN_ROWS_AMX = 256
+# ... and takes AMX tiles only past this many rows per active expert on average: at fewer, the
+# weights stream from memory faster through the AVX512_BF16 dot products (`medium`'s experts,
+# cold: 30 against 28 GB/s at 2 rows, 31 against 25 at 1; docs/performance.md)
+FUSED_AMX_MIN_MEAN_ROWS = 2
 
 
 class ExpertExecutor(Protocol):
@@ -138,6 +142,17 @@ def fused_applies(fused: bool, row_tile: int, x: torch.Tensor, counts: list[int]
     return active > 0 and sum(counts) <= fused_max_mean_rows(x.dtype, x.shape[-1]) * active
 
 
+def fused_amx(x: torch.Tensor, counts: list[int]) -> bool:
+    """Whether the fused kernel's bf16 projections take AMX tiles in this layer call: where
+    the CPU has them (`has_amx`) and the call's pairs average more than
+    `FUSED_AMX_MIN_MEAN_ROWS` per active expert (counts: pairs per expert, all E of them).
+    Decided on the whole layer call, so that a paged executor's waves decide as the resident
+    executor does, and the outputs stay equal bit for bit."""
+    if x.dtype != torch.bfloat16 or not has_amx():
+        return False
+    return sum(counts) > FUSED_AMX_MIN_MEAN_ROWS * sum(1 for c in counts if c)
+
+
 def fused_max_mean_rows(dtype: torch.dtype, hidden_size: int) -> int:
     """The most rows per active expert, on average, at which the fused kernel runs a layer of
     this compute dtype (one of `FUSED_MAX_MEAN_ROWS`'s) and hidden size."""
@@ -151,7 +166,7 @@ FusedOperands = list[ExpertWeights] | list[tuple[list[IntWeights], IntWeights]]
 
 def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, starts: list[int],
                counts: list[int], experts: list[int], weights: FusedOperands, act: ExpertActivation,
-               bias: ExpertBias | None, out: torch.Tensor) -> torch.Tensor:
+               bias: ExpertBias | None, out: torch.Tensor, amx: bool) -> torch.Tensor:
     """`fused_moe` (dense weights) or `fused_moe_int` (integer experts, `int_expert`'s) over
     `experts` (ascending ids; their sorted pairs are token_of[starts[e]: starts[e + 1]],
     contiguous since the ids ascend) with `weights` in the same order (`_fused_operands`);
@@ -162,8 +177,8 @@ def _run_fused(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tenso
     args = (token_of[lo:hi], pair_weight[lo:hi].contiguous(), [counts[e] for e in experts], ACT_CODES[act.name],
             act.alpha, act.limit, out)
     if isinstance(weights[0], ExpertWeights):
-        return fused_moe(x.contiguous(), [w.gate_up for w in weights], [w.down for w in weights], b, *args)
-    return fused_moe_int(x.contiguous(), weights, b, *args)
+        return fused_moe(x.contiguous(), [w.gate_up for w in weights], [w.down for w in weights], b, *args, amx=amx)
+    return fused_moe_int(x.contiguous(), weights, b, *args, amx=amx)
 
 
 def _fused_operands(weights: list[ExpertWeights | PackedExpert], dtype: torch.dtype) -> FusedOperands | None:
@@ -231,7 +246,7 @@ class ResidentExpertExecutor:
                 operands = _fused_operands(ensured, x.dtype)
                 if operands is not None:
                     return _run_fused(x, token_of, pair_weight, [0, *itertools.accumulate(counts_list)], counts_list,
-                                      active, operands, self.act, self.bias, out)
+                                      active, operands, self.act, self.bias, out, fused_amx(x, counts_list))
             experts = dict(zip(active, ensured))
             return _loop(x, token_of, pair_weight, counts_list, active, experts.__getitem__, self.row_tile, out,
                          self.act, self.bias)
@@ -249,7 +264,8 @@ class ResidentExpertExecutor:
                 active = [e for e, c in enumerate(counts_list) if c]
                 views = self._expert_views(gate_up, down)
                 return _run_fused(x, token_of, pair_weight, [0, *itertools.accumulate(counts_list)], counts_list,
-                                  active, [views[e] for e in active], self.act, self.bias, out)
+                                  active, [views[e] for e in active], self.act, self.bias, out,
+                                  fused_amx(x, counts_list))
         # Fewer pairs than half the experts (decode of one or two sequences): torch's CPU
         # grouped matmul walks every group, empty ones too, so the loop over the few active
         # experts is faster there (both compute each expert alike).
@@ -327,6 +343,7 @@ class PagedExpertExecutor:
         active = [e for e, c in enumerate(counts_list) if c]
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         fused = fused_applies(self.fused, self.row_tile, x, counts_list)
+        amx = fused_amx(x, counts_list)  # for the whole call: every wave decides alike
         starts = [0, *itertools.accumulate(counts_list)]
         wave = self.store.max_experts_per_call()
         for w0 in range(0, len(active), wave):  # more experts than slots: run in waves
@@ -336,7 +353,7 @@ class PagedExpertExecutor:
                 self._prefetch_next_layer(x)
             operands = _fused_operands(ensured, x.dtype) if fused else None
             if operands is not None:
-                _run_fused(x, token_of, pair_weight, starts, counts_list, chunk, operands, self.act, self.bias, out)
+                _run_fused(x, token_of, pair_weight, starts, counts_list, chunk, operands, self.act, self.bias, out, amx)
             else:
                 weights = dict(zip(chunk, ensured))
                 _loop(x, token_of, pair_weight, counts_list, chunk, weights.__getitem__, self.row_tile, out,

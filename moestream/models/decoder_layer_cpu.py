@@ -26,7 +26,7 @@ from moestream.kernels.fused_moe import ACT_CODES
 from moestream.kernels.linear import has_amx
 from moestream.layers.attention import Attention
 from moestream.layers.attention_backend import AttentionMetadata, TorchAttentionBackend
-from moestream.layers.expert_executor import ResidentExpertExecutor, fused_max_mean_rows
+from moestream.layers.expert_executor import FUSED_AMX_MIN_MEAN_ROWS, ResidentExpertExecutor, fused_max_mean_rows
 from moestream.layers.linear import CPU_GEMM_MAX_ROWS, CPU_GEMM_WIDE, CPU_GEMM_WIDE_MAX_ROWS, Linear
 from moestream.layers.moe import SparseMoE
 from moestream.layers.norm import RMSNorm
@@ -122,7 +122,7 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype) -> LayerPlan | None:
         attn.num_heads, attn.num_kv_heads, attn.head_dim, float(attn.scale),
         bool(attn.rotary is not None and attn.rotary.interleaved), moe.top_k, bool(moe.norm_topk_prob),
         not rc.float32, float(rc.routed_scaling_factor), ACT_CODES[act.name], float(act.alpha), float(act.limit),
-        has_amx(), fused_rows)
+        dtype == torch.bfloat16 and has_amx(), FUSED_AMX_MIN_MEAN_ROWS, fused_rows)
     none = torch.empty(0)
     q_norm, k_norm = attn.q_norm, attn.k_norm
     cpp.set_norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, float(layer.input_layernorm.eps),
