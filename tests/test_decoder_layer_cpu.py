@@ -99,9 +99,20 @@ def test_not_covered_keeps_the_python_layers(qwen3_moe_dir: str, kw: dict, layer
     assert layer_calls[0] == 0
 
 
-def test_sliding_window_layers_are_not_covered(mixtral_dir: str, layer_calls: list[int]) -> None:
-    llm = LLM(mixtral_dir, dtype="float32", max_model_len=64)
-    _run(llm, parity_prompts()[:2], 4)
+def test_sliding_window_layers_equal_the_python_layers(mixtral_dir: str, layer_calls: list[int]) -> None:
+    """Mixtral with a 24-token window, prompts and outputs past it: the C++ layers read from
+    context - window on, and every step's logits equal enforce_eager's."""
+    prompts = parity_prompts()[-3:]  # the longest: 25, 33 and 40 tokens
+    eager = _run(LLM(mixtral_dir, dtype="float32", max_model_len=96, block_size=4, enforce_eager=True), prompts)
+    compiled = _run(LLM(mixtral_dir, dtype="float32", max_model_len=96, block_size=4), prompts)
+    assert layer_calls[0] > 0
+    for (t1, l1), (t2, l2) in zip(eager, compiled):
+        assert t1 == t2 and all(torch.equal(a, b) for a, b in zip(l1, l2))
+
+
+def test_sinks_are_not_covered(gpt_oss_dir: str, layer_calls: list[int]) -> None:
+    """gpt-oss (attention sinks, expert biases) keeps the Python layers."""
+    _run(LLM(gpt_oss_dir, dtype="float32", max_model_len=64), parity_prompts()[:2], 4)
     assert layer_calls[0] == 0
 
 

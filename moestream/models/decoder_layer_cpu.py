@@ -8,8 +8,8 @@ views and empties) cost as much again. The C++ layer makes the same calls in the
 the same kernels, so its output is the Python path's bit for bit; it plays the part vLLM's CPU
 backend gives torch.compile, which was measured slower here (docs/performance.md).
 
-It covers a layer of GQA attention (optional q/k RMSNorm, rotary embedding, no sliding window,
-sinks or output gate) and a softmax-routed, greedy top-k MoE block without shared experts on
+It covers a layer of GQA attention (optional q/k RMSNorm, rotary embedding, a sliding window;
+no sinks or output gate) and a softmax-routed, greedy top-k MoE block without shared experts on
 a resident store, on the C++ kernels (`gemm_backend` cpu), in a step whose requests each bring
 one token (`decode_rows`). Anything else keeps the Python layer: `layer_plan` says which.
 """
@@ -44,6 +44,7 @@ class LayerPlan:
     layer: object
     max_rows: int
     gate_up_ptr: int
+    sliding_window: int | None = None  # the layer's window (its keys from start = context - window)
 
 
 def _linear_kind(lin: Linear, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -77,8 +78,7 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype) -> LayerPlan | None:
     attn, moe = getattr(layer, "self_attn", None), layer.mlp
     if type(attn) is not Attention or type(moe) is not SparseMoE or layer.is_linear:
         return None
-    if (attn.output_gate or attn.sinks is not None or attn.sliding_window is not None
-            or layer.residual_multiplier != 1.0):
+    if attn.output_gate or attn.sinks is not None or layer.residual_multiplier != 1.0:
         return None
     backend = attn.backend
     if not isinstance(backend, TorchAttentionBackend) or not backend.paged_kernel or backend.batch_invariant:
@@ -138,7 +138,7 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype) -> LayerPlan | None:
     cpp.set_linear(4, router_weight, none if router.bias is None else router.bias, linears[4][0], moe.num_experts,
                    0, router_amx)
     cpp.set_experts(gate_up, down, store.hit_counter(ex.layer_idx, gate_up.device))
-    return LayerPlan(cpp, min([fused_rows] + [rows for _, rows in linears]), gate_up.data_ptr())
+    return LayerPlan(cpp, min([fused_rows] + [rows for _, rows in linears]), gate_up.data_ptr(), attn.sliding_window)
 
 
 def decode_rows(meta: AttentionMetadata, tokens: int) -> bool:
@@ -147,9 +147,18 @@ def decode_rows(meta: AttentionMetadata, tokens: int) -> bool:
 
 
 def run_layer(plan: LayerPlan, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-              sin: torch.Tensor, meta: AttentionMetadata, starts: torch.Tensor) -> torch.Tensor:
+              sin: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """One layer's decode step: x [T, H] -> [T, H] (the residual stream after the layer);
     writes the step's keys and values into `cache`. cos, sin: the rotary tables of the
-    step's positions (empty without rotary embedding); starts [T] int64 zeros."""
+    step's positions (empty without rotary embedding). A layer with a window reads the
+    sliding group's blocks where the model has one (`meta.sliding`), as the backend does,
+    from position max(0, context - window)."""
+    window = plan.sliding_window
+    if window is not None and meta.sliding is not None:
+        meta = meta.sliding
+    starts = meta.memo.get(("starts", window))
+    if starts is None:  # [T] int64, once a step per window
+        starts = (meta.seq_lens - window).clamp_(min=0) if window is not None else torch.zeros_like(meta.seq_lens)
+        meta.memo[("starts", window)] = starts
     return plan.layer.forward(x, cache[0], cache[1], cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                               starts)

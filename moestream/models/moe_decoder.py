@@ -221,12 +221,11 @@ class MoEForCausalLM(nn.Module):
         if plans is not None:  # a decode-only step: covered layers in one C++ call each (`decoder_layer_cpu`)
             rotary = next(layer.self_attn.rotary for layer, p in zip(self.model.layers, plans) if p is not None)
             cos, sin = rotary.cos_sin(positions, x.dtype) if rotary is not None else (x.new_empty(0),) * 2
-            starts = torch.zeros_like(meta.seq_lens)  # [T] int64: no window
         for i, layer in enumerate(self.model.layers):  # a state, a KV cache, or (Nemotron-H's MLP blocks) neither
             cache = next(state_iter) if layer.is_linear else next(kv_iter) if layer.has_kv_cache else None
             plan = plans[i] if plans is not None else None
             if plan is not None and x.shape[0] <= plan.max_rows:
-                x = run_layer(plan, x, cache, cos, sin, meta, starts)
+                x = run_layer(plan, x, cache, cos, sin, meta)
             else:
                 x = layer(positions, x, cache, meta, state_meta)
         return self.model.norm(x)
