@@ -95,6 +95,19 @@ def hybrid_reference(hybrid_dir: str, hf_reference_of) -> "HFReference":
     return hf_reference_of(hybrid_dir)
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
+    """Wrap module.name so that the returned calls[0] counts its calls."""
+    calls = [0]
+    real = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
 def parity_prompts(vocab_limit: int = 30000, seed: int = 1234) -> list[list[int]]:
     """8 prompts of token ids with lengths 1..40."""
     rng = random.Random(seed)

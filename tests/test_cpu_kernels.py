@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NUM_NEW_TOKENS, HFReference, parity_prompts
+from conftest import NUM_NEW_TOKENS, HFReference, count_calls, parity_prompts
 from parity import LogitsRecorder, check_all, greedy_params
 
 import moestream.layers.attention_backend as attention_module
@@ -478,22 +478,9 @@ def _generate(llm: LLM, prompts: list[list[int]], n: int = 24) -> list[tuple[lis
     return [(o.outputs[0].token_ids, r) for o, r in zip(outs, recs)]
 
 
-def _count_calls(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[int]:
-    """Wrap module.name so that calls[0] counts its calls; returns calls."""
-    calls = [0]
-    real = getattr(module, name)
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counting)
-    return calls
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    return _count_calls(monkeypatch, executor_module, "fused_moe")
+    return count_calls(monkeypatch, executor_module, "fused_moe")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -515,10 +502,10 @@ def test_paged_equals_resident_bit_for_bit(gpt_oss_dir: str, kernel_calls: list[
                                                         ("fused_cpu", "cpu_paged", "cpu")])
 def test_hf_parity_with_either_backend(qwen3_moe_dir: str, moe: str, attention: str, gemm: str,
                                        kernel_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    attention_calls = _count_calls(monkeypatch, attention_module, "paged_decode_attention")
-    gemm_calls = _count_calls(monkeypatch, linear_module, "cpu_linear")
-    norm_calls = _count_calls(monkeypatch, norm_module, "cpu_add_rms_norm")
-    rotary_calls = _count_calls(monkeypatch, rotary_module, "cpu_apply_rotary")
+    attention_calls = count_calls(monkeypatch, attention_module, "paged_decode_attention")
+    gemm_calls = count_calls(monkeypatch, linear_module, "cpu_linear")
+    norm_calls = count_calls(monkeypatch, norm_module, "cpu_add_rms_norm")
+    rotary_calls = count_calls(monkeypatch, rotary_module, "cpu_apply_rotary")
     prompts = parity_prompts()
     llm = LLM(qwen3_moe_dir, dtype="float32", max_model_len=128, moe_runner_backend=moe, attention_backend=attention,
               gemm_backend=gemm)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import parity_prompts
+from conftest import count_calls, parity_prompts
 from parity import LogitsRecorder, greedy_params
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -37,15 +37,7 @@ def _run(llm: LLM, prompts: list[list[int]], n: int | list[int] = 20) -> list[tu
 @pytest.fixture
 def layer_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many times a layer ran through the C++ decode layer."""
-    calls = [0]
-    real = decoder_module.run_layer
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decoder_module, "run_layer", counting)
-    return calls
+    return count_calls(monkeypatch, decoder_module, "run_layer")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

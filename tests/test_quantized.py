@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import HFReference, parity_prompts
+from conftest import HFReference, count_calls, parity_prompts
 from moestream import LLM, SamplingParams
 from moestream.config.quantization import QuantizationConfig
 from moestream.experts.interface import PACKED_ALIGN
@@ -111,14 +111,7 @@ def test_int_experts_run_in_the_fused_kernel(quantized, dtype: str, monkeypatch:
     for bit; in float32 the tokens and logits still match HF on the exact dequantization."""
     import moestream.layers.expert_executor as executor
 
-    calls = [0]
-    real = executor.fused_moe_int
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(executor, "fused_moe_int", counting)
+    calls = count_calls(monkeypatch, executor, "fused_moe_int")
     qdir, oracle = quantized("deepseek_v3", "ct-int4-asym")
     prompts = parity_prompts()[:4]
     resident = _run(LLM(qdir, dtype=dtype), prompts)

@@ -72,17 +72,13 @@ class ResidentExpertStore:
         host sync) and record the routing if recording."""
         routed = torch.zeros(self._num_experts(layer), dtype=torch.bool, device=topk_ids.device)  # [E]
         count = routed.index_fill_(0, topk_ids.flatten(), True).sum()  # 0-dim int64
-        hits = self._hits.get(layer)
-        if hits is None:
-            self._hits[layer] = count
-        else:
-            hits.add_(count)
+        self.hit_counter(layer, topk_ids.device).add_(count)
         if self.recorder is not None:
             self.recorder.record_layer(layer, topk_ids)
 
     def hit_counter(self, layer: int, device: torch.device) -> torch.Tensor:
-        """The 0-dim int64 counter `on_route` adds `layer`'s hits to, made (zero) if there is
-        none yet: the C++ decode layer adds to it in place."""
+        """The 0-dim int64 counter of `layer`'s hits, made (zero) if there is none yet:
+        `on_route` and the C++ decode layer add to it in place."""
         if layer not in self._hits:
             self._hits[layer] = torch.zeros((), dtype=torch.int64, device=device)
         return self._hits[layer]

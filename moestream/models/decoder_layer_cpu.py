@@ -47,6 +47,11 @@ class LayerPlan:
     sliding_window: int | None = None  # the layer's window (its keys from start = context - window)
 
 
+def _gemm_rows(out_features: int) -> int:
+    """The most rows `Linear.forward` gives moestream's CPU GEMM for a weight of this width."""
+    return CPU_GEMM_WIDE_MAX_ROWS if out_features >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS
+
+
 def _linear_kind(lin: Linear, dtype: torch.dtype) -> tuple[int, int] | None:
     """(Kind, the most rows it holds for) of the kernel `Linear.forward` takes for this module
     at decode sizes, or None where the C++ layer does not cover it."""
@@ -60,9 +65,8 @@ def _linear_kind(lin: Linear, dtype: torch.dtype) -> tuple[int, int] | None:
     if w.dtype != dtype:
         return None
     if lin.cpu_gemm and lin.bias is None and w.is_contiguous():
-        limit = CPU_GEMM_WIDE_MAX_ROWS if w.shape[0] >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS
         # past the limit float32 takes F.linear (at::linear); bf16 takes `linear`'s buckets
-        return GEMM, (1 << 30) if dtype == torch.float32 else limit
+        return GEMM, (1 << 30) if dtype == torch.float32 else _gemm_rows(w.shape[0])
     return (TORCH, 1 << 30) if dtype == torch.float32 else None
 
 
@@ -134,7 +138,7 @@ def layer_plan(layer: torch.nn.Module, dtype: torch.dtype) -> LayerPlan | None:
         out_features = lin.blocked_out or lin.weight.shape[0]
         amx = kind == VNNI and lin.weight.shape[1] * 2 % 32 == 0 and has_amx()  # VNNI weight [n, K/2, 8, 16, 2]
         cpp.set_linear(i, lin.weight, none if lin.bias is None else lin.bias, kind, out_features,
-                       CPU_GEMM_WIDE_MAX_ROWS if out_features >= CPU_GEMM_WIDE else CPU_GEMM_MAX_ROWS, amx)
+                       _gemm_rows(out_features), amx)
     cpp.set_linear(4, router_weight, none if router.bias is None else router.bias, linears[4][0], moe.num_experts,
                    0, router_amx)
     cpp.set_experts(gate_up, down, store.hit_counter(ex.layer_idx, gate_up.device))
