@@ -123,25 +123,48 @@ class _Bias:
 
 def test_more_pairs_than_one_group_match_the_oracle() -> None:
     """Past ~512 pairs the kernel runs its experts in groups, one after another: 300 tokens x 2
-    (600 pairs, several groups) still match the float64 oracle."""
+    (600 pairs, several groups) still match the float64 oracle; in bf16 SwiGLU (AMX's
+    two-pass path where the CPU has it) as close as the PyTorch path."""
     case = _case(300, 64, 32, 8, 2, torch.float32, seed=11)
     got, want = _run_kernel(*case, OAI), _oracle(*case, OAI)
     assert (got.double() - want).abs().max() < 2e-5 * max(1.0, float(want.abs().max()))
+    x, gate_up, down, bias, ids, weights = case = _case(300, 64, 32, 8, 2, torch.bfloat16, seed=11)
+    want = _oracle(*case, SILU_BIAS)
+    order, token_of, counts = sort_by_expert(ids, 8)
+    cl = counts.tolist()
+    active = [e for e, c in enumerate(cl) if c]
+    torch_path = _loop(x, token_of, weights.flatten()[order], cl, active, lambda e: ExpertWeights(gate_up[e], down[e]),
+                       0, torch.zeros(x.shape), SILU_BIAS, _Bias(bias))
+    err_fused = float((_run_kernel(*case, SILU_BIAS).double() - want).abs().max())
+    err_torch = float((torch_path.double() - want).abs().max())
+    assert err_fused < 1.5 * err_torch + 1e-3, (err_fused, err_torch)
 
 
+SILU_BIAS = ExpertActivation(bias=True)
+
+
+@pytest.mark.parametrize("act", [OAI, SILU_BIAS], ids=["swigluoai", "silu-bias"])
 @pytest.mark.parametrize("dtype,amx", [(torch.float32, False)] + [(torch.bfloat16, a) for a in AMX],
                          ids=lambda v: {False: "avx512", True: "amx"}.get(v, str(v)))
-def test_a_tokens_output_does_not_depend_on_the_batch(dtype: torch.dtype, amx: bool) -> None:
+def test_a_tokens_output_does_not_depend_on_the_batch(dtype: torch.dtype, amx: bool, act: ExpertActivation) -> None:
     """Each output element sums in a fixed order, whatever the other rows: a token alone and
     within 80 tokens (several row tiles, up to three 16-row AMX blocks per expert, other
-    experts active) gives the same bits."""
-    x, gate_up, down, bias, ids, weights = _case(80, 128, 64, 8, 3, dtype, seed=5)
-    batch = _run_kernel(x, gate_up, down, bias, ids, weights, OAI, amx=amx)
+    experts active) gives the same bits, on 1 thread or 2. bf16 SwiGLU on AMX: the batch (40
+    rows an expert) takes the two-pass path (the activation in gate_up's epilogue, the combine
+    in down's), a token alone the four passes, so this also holds the two to the same bits."""
+    x, gate_up, down, bias, ids, weights = _case(80, 128, 64, 8, 4, dtype, seed=5)
+    batch = _run_kernel(x, gate_up, down, bias, ids, weights, act, amx=amx)
     assert int(torch.bincount(ids.flatten()).max()) > 32
     for t in (0, 7, 23, 79):
-        alone = _run_kernel(x[t : t + 1].clone(), gate_up, down, bias, ids[t : t + 1], weights[t : t + 1], OAI,
+        alone = _run_kernel(x[t : t + 1].clone(), gate_up, down, bias, ids[t : t + 1], weights[t : t + 1], act,
                             amx=amx)
         assert torch.equal(alone[0], batch[t])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_run_kernel(x, gate_up, down, bias, ids, weights, act, amx=amx), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernels_run_on_torchs_threads() -> None:
@@ -307,9 +330,9 @@ def test_blocked_linear_equals_the_unblocked_bit_for_bit() -> None:
 @pytest.mark.parametrize("amx", AMX, ids=lambda a: "amx" if a else "avx512")
 def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
     """cpu_linear_vnni on pack_vnni's layout (bf16), through AVX512_BF16 or AMX tiles: within
-    one bf16 step of the float64 product, a row the same alone or among 70 (N not a multiple
-    of the 128-output block; more than one 16-row AMX block and 64-row work item); builds
-    without AVX512_BF16 refuse to pack."""
+    one bf16 step of the float64 product, a row the same alone or among 300 (N not a multiple
+    of the 128-output block nor of AMX's 32-output pass; more than one 32-row AMX pass and
+    256-row work item); builds without AVX512_BF16 refuse to pack."""
     from moestream.kernels.linear import cpu_linear_vnni, has_vnni_bf16, pack_vnni
 
     g = torch.Generator().manual_seed(9)
@@ -320,7 +343,7 @@ def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
         return
     packed = pack_vnni(w)
     assert packed.shape == (8, 64, 8, 16, 2)
-    x = torch.randn(70, 128, generator=g).bfloat16()
+    x = torch.randn(300, 128, generator=g).bfloat16()
     got = cpu_linear_vnni(x, packed, 1000, amx=amx)
     exact = x.double() @ w.double().T
     assert got.dtype == torch.bfloat16 and ((got.double() - exact).abs() <= 2.0**-7 * exact.abs() + 1e-3).all()
@@ -328,6 +351,7 @@ def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
         assert torch.equal(cpu_linear_vnni(x[:m].contiguous(), packed, 1000, amx=amx), got[:m])
     assert torch.equal(cpu_linear_vnni(x[40:41].contiguous(), packed, 1000, amx=amx), got[40:41])
     assert torch.equal(cpu_linear_vnni(x[66:67].contiguous(), packed, 1000, amx=amx), got[66:67])
+    assert torch.equal(cpu_linear_vnni(x[270:299].contiguous(), packed, 1000, amx=amx), got[270:299])
     bias = torch.randn(1000, generator=g).bfloat16()
     biased = cpu_linear_vnni(x, packed, 1000, bias, amx=amx)  # the bias added in float32 before the rounding
     exact_b = exact + bias.double()

@@ -25,6 +25,8 @@
 // chosen by the compiler flags (-march=native: one build per CPU). bf16 with `amx` (AMX-BF16
 // builds; a projection whose K and N are multiples of 32): its dot products through AMX tiles
 // (amx_cols32), each output still summing its k pairs in order whatever the rows around it.
+// SwiGLU on AMX (H and I multiples of 32) runs in two passes, the activation in gate_up's
+// epilogue and the combine in down's (amx_swiglu_group): the same ops, the same bits.
 // The SwiGLU, roundings and combine run 16 lanes at a time with AVX-512 (exp as exp512, within
 // 1e-7 of expf). Experts run in groups of about GROUP_PAIRS pairs, one after another.
 
@@ -36,6 +38,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -170,8 +173,10 @@ struct Weights {
 // The rows of A [P, K] (grouped by expert) as AMX B operands: expert e's rows in blocks of
 // 16, a block [K / 2 pairs][16 rows][2] bf16, the first of expert e's at first[e] (rows past
 // an expert's count are left unset: a tile configured for m rows never reads them).
+// `tok`: when given, row r is A's row tok[r] (row stride K) instead of row r.
 at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& start,
-                          const std::vector<int64_t>& counts, std::vector<int64_t>& first) {
+                          const std::vector<int64_t>& counts, std::vector<int64_t>& first,
+                          const int64_t* tok = nullptr, int64_t lda = 0) {
   const int64_t E = static_cast<int64_t>(counts.size());
   first.assign(E + 1, 0);
   for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + (counts[e] + 15) / 16;
@@ -188,7 +193,10 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
       // 16 pairs of the 16 rows at a time, transposed as floats (the bits move unchanged);
       // rows past m repeat row 0 (never read)
       const float* src[16];
-      for (int64_t t = 0; t < 16; ++t) src[t] = reinterpret_cast<const float*>(A + (r0 + (t < m ? t : 0)) * K);
+      for (int64_t t = 0; t < 16; ++t) {
+        const int64_t r = r0 + (t < m ? t : 0);
+        src[t] = reinterpret_cast<const float*>(A + (tok != nullptr ? tok[r] * lda : r * K));
+      }
       for (int64_t k = 0; k < K / 2; k += 16) {
         __m512 v[16];
         for (int t = 0; t < 16; ++t) v[t] = _mm512_loadu_ps(src[t] + k);
@@ -200,20 +208,21 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
   return packed;
 }
 
-// out[p][j] (float32, row stride ldo) for the n rows of one expert (their blocks at xb) and
-// 32 consecutive weight rows W (row stride ldw): the weights are the A tiles (16 rows x 32 k
-// each), the rows the B tiles, so a C tile [16 weight rows, m rows] holds outputs transposed.
-// Rows go 32 at a time (two B tiles, four C tiles: each weight tile loaded serves both), the
-// weights read in place. (Copying them first into contiguous tiles, against the 16 rows' 4 KiB
-// stride at K = 2048, was measured slower: past 32 rows they come from L2 either way.)
-// `shape`: the row counts the thread's tiles are configured for (-1: none yet).
-// out holds the outputs rounded to bf16 (and `bias`'s 32 values, when given, added and rounded
-// again), as `project` rounds the other paths' outputs.
-void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, const bf16* bias, float* out,
-                int64_t ldo, int64_t& shape) {
+// The n rows of one expert (their blocks at xb) against 32 weight rows, 16 at a0 and 16 at a1
+// (row stride ldw): the weights are the A tiles (16 rows x 32 k each), the rows the B tiles, so
+// a C tile [16 weight rows, m rows] holds outputs transposed. Rows go 32 at a time (two B
+// tiles, four C tiles: each weight tile loaded serves both), the weights read in place.
+// (Copying them first into contiguous tiles, against the 16 rows' 4 KiB stride at K = 2048,
+// was measured slower: past 32 rows they come from L2 either way.) After each 32 rows,
+// epilogue(buf, rb, m1, m2) gets the C tiles as stored: buf[0] = a0's rows x rows rb..rb+m1,
+// buf[1] = a1's x the same rows, buf[2] and buf[3] the same for rows rb+16..rb+16+m2 (m2 = 0:
+// absent); row c of a tile holds weight row c's outputs for the tile's rows, one per lane
+// (lanes past m hold stale values). `shape`: the row counts the thread's tiles are configured
+// for (-1: none yet).
+template <typename Epilogue>
+void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* a1, int64_t ldw, int64_t& shape,
+              Epilogue&& epilogue) {
   alignas(64) float buf[4][16 * 16];
-  const bf16* a0 = W;  // the A tiles of k step q: a0 + 32 q and a1 + 32 q, ldw apart per row
-  const bf16* a1 = W + 16 * ldw;
   for (int64_t rb = 0; rb < n; rb += 32) {
     const int64_t m1 = std::min<int64_t>(16, n - rb), m2 = std::min<int64_t>(16, std::max<int64_t>(0, n - rb - 16));
     if (m1 * 17 + m2 != shape) {
@@ -252,12 +261,27 @@ void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw
       _tile_stored(6, buf[2], 64);
       _tile_stored(7, buf[3], 64);
     }
+    epilogue(buf, rb, m1, m2);
+  }
+}
+
+// The 16 rows' outputs of C tile `tile` (buf as amx_rows gives it) in v[t] (16 outputs of row t).
+inline void tile_rows(const float (*buf)[256], int tile, __m512* v) {
+  for (int c = 0; c < 16; ++c) v[c] = _mm512_load_ps(buf[tile] + c * 16);
+  transpose16x16(v);
+}
+
+// out[p][j] (float32, row stride ldo) for the n rows of one expert (their blocks at xb) and
+// 32 consecutive weight rows W (row stride ldw): the outputs rounded to bf16 (and `bias`'s 32
+// values, when given, added and rounded again), as `project` rounds the other paths' outputs.
+void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, const bf16* bias, float* out,
+                int64_t ldo, int64_t& shape) {
+  amx_rows(xb, n, K, W, W + 16 * ldw, ldw, shape, [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
     // each C tile [16 columns][m rows] transposed in registers into the rows' outputs
-    for (int64_t tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
+    for (int tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
       const int64_t m = tile < 2 ? m1 : m2, r0 = rb + 16 * (tile / 2), c0 = 16 * (tile % 2);
       __m512 v[16];
-      for (int c = 0; c < 16; ++c) v[c] = _mm512_load_ps(buf[tile] + c * 16);
-      transpose16x16(v);
+      tile_rows(buf, tile, v);
       const __m512 b = bias != nullptr ? load16(bias + c0) : _mm512_setzero_ps();
       for (int64_t t = 0; t < m; ++t) {
         __m512 y = round16<bf16>(v[t]);
@@ -265,7 +289,7 @@ void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw
         _mm512_storeu_ps(out + (r0 + t) * ldo + c0, y);
       }
     }
-  }
+  });
 }
 #endif
 
@@ -362,12 +386,130 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
   });
 }
 
+#if defined(MOESTREAM_AMX)
+// SwiGLU's a = silu(g) * u for 16 rows at once: g and u (16 lanes, one per row) as the C tiles
+// hold them, rounded to bf16, each bias (when given) added and rounded again, then the
+// activation's ops and roundings as `activation` does them; returns a's bf16 bits, one per
+// 32-bit lane.
+inline __m512i swiglu16(const float* g_acc, const float* u_acc, const bf16* g_bias, const bf16* u_bias) {
+  __m512 g = round16<bf16>(_mm512_load_ps(g_acc)), u = round16<bf16>(_mm512_load_ps(u_acc));
+  if (g_bias != nullptr) {
+    g = round16<bf16>(_mm512_add_ps(g, _mm512_set1_ps(static_cast<float>(*g_bias))));
+    u = round16<bf16>(_mm512_add_ps(u, _mm512_set1_ps(static_cast<float>(*u_bias))));
+  }
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 s = round16<bf16>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+  return to_bf16_bits32(_mm512_mul_ps(s, u));
+}
+
+// One group's experts, bf16 SwiGLU (gate rows then up rows) on AMX, in two passes instead of
+// project / activation / project / combine, with the same ops and roundings (the outputs are
+// theirs bit for bit):
+// 1. gate_up + activation: work items (expert, 16 of I): the 16 gate rows j0.. and the 16 up
+//    rows I + j0.. are one amx_rows pass, so a C tile pair holds g and u of the same 16
+//    columns and rows; the epilogue writes a = silu(g) * u straight into down's packed row
+//    pairs (no [n, 2I] float32 buffer, no activation pass, no second packing).
+// 2. down + combine: each thread owns a range of H's 32-column chunks and runs every expert
+//    over them in expert order, so its epilogue adds w * y into out (a product, then a sum) in
+//    the order the combine did (no [n, H] buffer, no combine pass).
+// Needs H and I multiples of 32. x's rows are packed in place through tok (no gather).
+void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const float* w, const Weights<bf16>& W1,
+                      const Weights<bf16>& W2, const std::vector<const bf16*>* b1,
+                      const std::vector<const bf16*>* b2, int64_t H, int64_t I, const std::vector<int64_t>& start,
+                      const std::vector<int64_t>& counts, float* od, int64_t ldo) {
+  const int64_t E = static_cast<int64_t>(counts.size());
+  std::vector<int64_t> first;
+  const at::Tensor xp = pack_row_pairs(xd, H, start, counts, first, tok, ldx);
+  const at::Tensor ap = at::empty({std::max<int64_t>(first[E], 1) * 16 * I}, at::kBFloat16);
+  const bf16* xpd = xp.data_ptr<bf16>();
+  bf16* apd = ap.data_ptr<bf16>();
+  const int64_t chunks1 = I / 16;
+  const std::vector<int64_t> bounds = balanced_ranges(counts, chunks1, at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<bf16> scratch(W1.ints != nullptr ? 32 * H : 0);
+    int64_t shape = -1;
+    for (int64_t i = bounds[t0]; i < bounds[t1]; ++i) {
+      const int64_t e = i / chunks1, j0 = i % chunks1 * 16;
+      if (counts[e] == 0) continue;
+      const bf16 *g, *u;
+      if (W1.ints != nullptr) {
+        dequant_rows<bf16>((*W1.ints)[e], W1.format, j0, j0 + 16, H, scratch.data());
+        dequant_rows<bf16>((*W1.ints)[e], W1.format, I + j0, I + j0 + 16, H, scratch.data() + 16 * H);
+        g = scratch.data(), u = scratch.data() + 16 * H;
+      } else {
+        g = (*W1.dense)[e] + j0 * H, u = g + I * H;
+      }
+      const bf16* gb = b1 != nullptr ? (*b1)[e] + j0 : nullptr;
+      const bf16* ub = b1 != nullptr ? (*b1)[e] + I + j0 : nullptr;
+      // down's B operand: expert e's blocks of 16 rows, [I / 2 pairs][16 rows] int32 each
+      int32_t* dst = reinterpret_cast<int32_t*>(apd + first[e] * 16 * I);
+      amx_rows(xpd + first[e] * 16 * H, counts[e], H, g, u, H, shape,
+               [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
+                 (void)m1;
+                 for (int64_t half = 0; half < (m2 > 0 ? 2 : 1); ++half) {
+                   const float* gt = buf[2 * half];
+                   const float* ut = buf[2 * half + 1];
+                   int32_t* blk = dst + (rb / 16 + half) * 8 * I + j0 / 2 * 16;
+                   for (int64_t c = 0; c < 16; c += 2) {
+                     const __m512i lo = swiglu16(gt + c * 16, ut + c * 16, gb ? gb + c : nullptr, ub ? ub + c : nullptr);
+                     const __m512i hi = swiglu16(gt + (c + 1) * 16, ut + (c + 1) * 16, gb ? gb + c + 1 : nullptr,
+                                                 ub ? ub + c + 1 : nullptr);
+                     _mm512_storeu_si512(blk + c / 2 * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                   }
+                 }
+               });
+    }
+    if (shape >= 0) _tile_release();
+  });
+  at::parallel_for(0, H / 32, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<bf16> scratch(W2.ints != nullptr ? 32 * I : 0);
+    int64_t shape = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      if (counts[e] == 0) continue;
+      for (int64_t c = c0; c < c1; ++c) {
+        const bf16* rows;
+        if (W2.ints != nullptr) {
+          dequant_rows<bf16>((*W2.ints)[e], W2.format, c * 32, c * 32 + 32, I, scratch.data());
+          rows = scratch.data();
+        } else {
+          rows = (*W2.dense)[e] + c * 32 * I;
+        }
+        const bf16* bias = b2 != nullptr ? (*b2)[e] + c * 32 : nullptr;
+        amx_rows(apd + first[e] * 16 * I, counts[e], I, rows, rows + 16 * I, I, shape,
+                 [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
+                   for (int tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
+                     const int64_t m = tile < 2 ? m1 : m2, r0 = start[e] + rb + 16 * (tile / 2);
+                     const int64_t col = c * 32 + 16 * (tile % 2);
+                     __m512 v[16];
+                     tile_rows(buf, tile, v);
+                     const __m512 b = bias != nullptr ? load16(bias + 16 * (tile % 2)) : _mm512_setzero_ps();
+                     for (int64_t t = 0; t < m; ++t) {
+                       __m512 y = round16<bf16>(v[t]);
+                       if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
+                       float* o = od + tok[r0 + t] * ldo + col;
+                       // a product, then a sum: two roundings (no FMA contraction), as the combine
+                       _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(y, _mm512_set1_ps(w[r0 + t]))));
+                     }
+                   }
+                 });
+      }
+    }
+    if (shape >= 0) _tile_release();
+  });
+}
+#endif
+
 // Experts are run in groups of about GROUP_PAIRS pairs (an expert with more is a group of its
 // own), in order: the buffers between the projections stay a few MiB, in cache, and reused
 // from the heap (whole-batch buffers of a long prefill, tens of MiB, were mapped and
 // page-faulted afresh every call). The combine adds the groups' products in expert order,
 // as it did all at once.
 constexpr int64_t GROUP_PAIRS = 512;
+// Fewer rows than this per active expert, on average, and amx_swiglu_group was slower than the
+// four passes (128 tokens of `small`'s layer, 16 rows an expert: 0.94 against 0.69 ms; 32
+// rows: 1.02 against 1.08; 64: 1.70 against 1.90), its epilogue's activation then weighing
+// on every weight tile's pass.
+constexpr int64_t SWIGLU_AMX_MIN_MEAN_ROWS = 32;
 
 template <typename T>
 void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>& w2, int64_t I,
@@ -396,6 +538,9 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
   at::Tensor h = at::empty({most, I2}, x.options().dtype(at::kFloat));
   at::Tensor a = at::empty({most, I}, x.options());
   at::Tensor y = at::empty({most, H}, x.options().dtype(at::kFloat));
+  // bf16 SwiGLU on AMX, groups of SWIGLU_AMX_MIN_MEAN_ROWS or more rows per active expert:
+  // amx_swiglu_group (the same bits)
+  const bool swiglu_amx = amx && std::is_same<T, bf16>::value && act == 0 && H % 32 == 0 && I % 32 == 0;
   T* xsd = xs.data_ptr<T>();
   float* hd = h.data_ptr<float>();
   T* ad = a.data_ptr<T>();
@@ -426,6 +571,15 @@ void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>&
       b1.push_back(gate_up_bias[e].data_ptr<T>());
       b2.push_back(down_bias[e].data_ptr<T>());
     }
+#if defined(MOESTREAM_AMX)
+    if constexpr (std::is_same<T, bf16>::value) {
+      const int64_t active = std::count_if(cg.begin(), cg.end(), [](int64_t c) { return c > 0; });
+      if (swiglu_amx && n >= SWIGLU_AMX_MIN_MEAN_ROWS * active) {
+        amx_swiglu_group(xd, ldx, tok, w, g1, g2, bias ? &b1 : nullptr, bias ? &b2 : nullptr, H, I, start, cg, od, ldo);
+        continue;
+      }
+    }
+#endif
     // 1. gate_up of every pair: h [n, 2I] float32, then the activation into a [n, I] (compute dtype)
     at::parallel_for(0, n, 64, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) std::memcpy(xsd + p * H, xd + tok[p] * ldx, H * sizeof(T));

@@ -164,6 +164,11 @@ bool has_vnni_bf16() {
 // A bf16 output value, stored as bf16 or (out_float32) as a float32 holding the same value.
 inline void store_out(bf16* p, float v) { *p = cast<bf16>(v); }
 inline void store_out(float* p, float v) { *p = round_to<bf16>(v); }
+#if defined(__AVX512F__)
+// 16 such values (bf16 bits stored once, or float32 rounded to bf16's precision)
+inline void store_rounded(bf16* p, __m512 v) { store16(p, v); }
+inline void store_rounded(float* p, __m512 v) { store16(p, round16<bf16>(v)); }
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr int64_t VNNI_COLS = 128;  // outputs per super-block: 8 vectors of 16
@@ -228,17 +233,21 @@ void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
 }
 
 #if defined(MOESTREAM_AMX)
-// The same layout through AMX tiles: rows in blocks of up to 16 (the A tile, read from x in
-// place), each super-block's 128 outputs in two halves of 4 C tiles (16 outputs each), a B
-// tile being 16 pairs of one 16-output group (stride 512 bytes in the layout). Needs K a
-// multiple of 32 (whole A tiles). Each output adds its k pairs in order, as TDPBF16PS adds
-// them, whatever the rows around it: a row's result does not depend on M.
-constexpr int64_t AMX_ROW_CHUNK = 64;  // rows per work item (a multiple of the 16-row tile)
+// The same layout through AMX tiles. A pass computes 32 rows x 32 outputs in four C tiles: two
+// A tiles (16 rows x 32 k each, read from x in place) times two B tiles (16 pairs of one
+// 16-output group, stride 512 bytes in the layout), so each tile loaded serves two products.
+// A work item is a super-block's 128 outputs over up to AMX_ROW_CHUNK rows, taken 32 outputs
+// at a time across all its rows: those outputs' weights (32 x K bf16: 32 KiB at K = 512) stay
+// in L1 while the rows stream from L2 (one A tile against four B tiles, the weights streaming
+// from L2, was measured slower; so was writing a pass's outputs during the next pass's steps). Needs K a multiple of 32 (whole A tiles). Each output adds its k pairs in
+// order, as TDPBF16PS adds them, whatever the rows around it: a row's result does not depend on M.
+constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per work item (a multiple of the 32-row pass)
 
 template <typename O>
 void linear_vnni_amx_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, const float* bias,
                           const at::Tensor& out) {
   using moestream_amx::configure;
+  using moestream_amx::TileShape;
   const int64_t M = x.size(0), ldx = x.stride(0), pairs = x.size(1) / 2, nsb = packed.size(0);
   const int64_t sb_elems = pairs * 2 * VNNI_COLS, chunks = (M + AMX_ROW_CHUNK - 1) / AMX_ROW_CHUNK;
   const int64_t line = 2 * VNNI_COLS;  // elements per pair: 128 outputs x 2
@@ -246,52 +255,66 @@ void linear_vnni_amx_impl(const at::Tensor& x, const at::Tensor& packed, int64_t
   const bf16* wd = packed.data_ptr<bf16>();
   O* od = out.data_ptr<O>();
   at::parallel_for(0, nsb * chunks, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float buf[16 * 64];
-    int64_t shape = -1;  // the rows the tiles are configured for
+    alignas(64) float buf[4][16 * 16];
+    int64_t shape = -1;  // the rows the tiles are configured for (m1 * 17 + m2)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / chunks, r0 = i % chunks * AMX_ROW_CHUNK, r1 = std::min(M, r0 + AMX_ROW_CHUNK);
       const bf16* sb = wd + b * sb_elems;
       const int64_t j0 = b * VNNI_COLS, ncols = std::min(VNNI_COLS, N - j0);
-      for (int64_t rb = r0; rb < r1; rb += 16) {
-        const int64_t m = std::min<int64_t>(16, r1 - rb);
-        if (m != shape) {
-          const int mr = static_cast<int>(m);
-          configure({moestream_amx::TileShape{0, mr, 64}, {1, 16, 64}, {6, 16, 64}, {2, mr, 64}, {3, mr, 64},
-                     {4, mr, 64}, {5, mr, 64}});
-          shape = m;
-        }
-        const bf16* a = xd + rb * ldx;
-        for (int64_t half = 0; half < 2 && half * 64 < ncols; ++half) {
-          _tile_zero(2);
-          _tile_zero(3);
+      for (int64_t g = 0; g * 32 < ncols; ++g) {  // 32 outputs: groups 2g and 2g + 1
+        const bf16* b0 = sb + g * 64;
+        for (int64_t rb = r0; rb < r1; rb += 32) {
+          const int64_t m1 = std::min<int64_t>(16, r1 - rb), m2 = std::min<int64_t>(16, std::max<int64_t>(0, r1 - rb - 16));
+          if (m1 * 17 + m2 != shape) {
+            const int a1 = static_cast<int>(m1), a2 = static_cast<int>(m2);
+            if (m2 > 0)
+              configure({TileShape{0, a1, 64}, {1, a2, 64}, {2, 16, 64}, {3, 16, 64}, {4, a1, 64}, {5, a1, 64},
+                         {6, a2, 64}, {7, a2, 64}});
+            else
+              configure({TileShape{0, a1, 64}, {2, 16, 64}, {3, 16, 64}, {4, a1, 64}, {5, a1, 64}});
+            shape = m1 * 17 + m2;
+          }
+          const bf16* a = xd + rb * ldx;
           _tile_zero(4);
           _tile_zero(5);
-          for (int64_t q = 0; q < pairs / 16; ++q) {
-            const bf16* bq = sb + q * 16 * line + half * 4 * 32;
-            _tile_loadd(0, a + 32 * q, ldx * 2);
-            _tile_loadd(1, bq, line * 2);
-            _tile_dpbf16ps(2, 0, 1);
-            _tile_loadd(6, bq + 32, line * 2);
-            _tile_dpbf16ps(3, 0, 6);
-            _tile_loadd(1, bq + 64, line * 2);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(6, bq + 96, line * 2);
-            _tile_dpbf16ps(5, 0, 6);
+          if (m2 > 0) {
+            _tile_zero(6);
+            _tile_zero(7);
           }
-          _tile_stored(2, buf, 256);
-          _tile_stored(3, buf + 16, 256);
-          _tile_stored(4, buf + 32, 256);
-          _tile_stored(5, buf + 48, 256);
-          const int64_t c0 = j0 + half * 64, cn = std::min<int64_t>(64, ncols - half * 64);
-          for (int64_t r = 0; r < m; ++r) {
-            int64_t c = 0;
-            for (; c + 16 <= cn; c += 16) {  // 16 at a time: the same additions and rounding
-              __m512 v = _mm512_loadu_ps(buf + r * 64 + c);
-              if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c0 + c));
-              store16(od + (rb + r) * N + c0 + c, round16<bf16>(v));
+          for (int64_t q = 0; q < pairs / 16; ++q) {
+            const bf16* bq = b0 + q * 16 * line;
+            _tile_loadd(2, bq, line * 2);
+            _tile_loadd(3, bq + 32, line * 2);
+            _tile_loadd(0, a + 32 * q, ldx * 2);
+            _tile_dpbf16ps(4, 0, 2);
+            _tile_dpbf16ps(5, 0, 3);
+            if (m2 > 0) {  // the second 16 rows (tiles 1, 6, 7 are configured only then)
+              _tile_loadd(1, a + 16 * ldx + 32 * q, ldx * 2);
+              _tile_dpbf16ps(6, 1, 2);
+              _tile_dpbf16ps(7, 1, 3);
             }
-            for (; c < cn; ++c)
-              store_out(od + (rb + r) * N + c0 + c, bias != nullptr ? buf[r * 64 + c] + bias[c0 + c] : buf[r * 64 + c]);
+          }
+          _tile_stored(4, buf[0], 64);
+          _tile_stored(5, buf[1], 64);
+          if (m2 > 0) {
+            _tile_stored(6, buf[2], 64);
+            _tile_stored(7, buf[3], 64);
+          }
+          for (int64_t tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
+            const int64_t m = tile < 2 ? m1 : m2, rr = rb + 16 * (tile / 2);
+            const int64_t c0 = j0 + g * 32 + 16 * (tile % 2), cn = std::min<int64_t>(16, j0 + ncols - c0);
+            if (cn <= 0) continue;
+            const float* t = buf[tile];
+            for (int64_t r = 0; r < m; ++r) {
+              if (cn == 16) {  // 16 at a time: the same additions and rounding
+                __m512 v = _mm512_load_ps(t + r * 16);
+                if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + c0));
+                store_rounded(od + (rr + r) * N + c0, v);
+              } else {
+                for (int64_t c = 0; c < cn; ++c)
+                  store_out(od + (rr + r) * N + c0 + c, bias != nullptr ? t[r * 16 + c] + bias[c0 + c] : t[r * 16 + c]);
+              }
+            }
           }
         }
       }
