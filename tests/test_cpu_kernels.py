@@ -359,6 +359,18 @@ def test_vnni_linear_is_close_and_batch_invariant(amx: bool) -> None:
     assert not torch.equal(biased, got)
     wide = cpu_linear_vnni(x, packed, 1000, bias, amx=amx, out_dtype=torch.float32)  # the logits' one-pass float32
     assert wide.dtype == torch.float32 and torch.equal(wide, biased.float())
+    # the float32 output is rounded as the bf16 one (round16 against to_bf16_bits), bit for bit, on
+    # a NaN, overflow to infinity, sums near float32's smallest normals, and exact ties
+    special = x[:4].clone()
+    special[0, 0] = float("nan")
+    special[1] *= 1e-37
+    special[2] = 3e38  # sums past float32's largest: infinities
+    special[3] = 0
+    special[3, 0] = 1.0078125  # 1 + 2^-7: its products with bf16 weights have 16 bits, some a tie at bf16
+    narrow = cpu_linear_vnni(special, packed, 1000, amx=amx)
+    wide = cpu_linear_vnni(special, packed, 1000, amx=amx, out_dtype=torch.float32)
+    assert narrow[0].isnan().any() and narrow[2].isinf().any()
+    assert torch.equal(wide.view(torch.int32), narrow.float().view(torch.int32))
     with pytest.raises(RuntimeError, match=r"bias must be a float \[1000\]"):
         cpu_linear_vnni(x, packed, 1000, bias[:10])
     with pytest.raises(ValueError, match="no VNNI layout"):

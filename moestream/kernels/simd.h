@@ -102,10 +102,16 @@ inline void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
 }
 
-// v rounded to the compute dtype's precision (bf16: to nearest even, back as float32).
+// v rounded to the compute dtype's precision (bf16: to nearest even, back as float32): the
+// bits to_bf16_bits32 gives, left in the high half (no narrowing and widening).
 template <typename T>
 inline __m512 round16(__m512 v) {
   if constexpr (std::is_same<T, float>::value) return v;
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb),
+                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
 }
 #endif
