@@ -213,16 +213,21 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
 // a C tile [16 weight rows, m rows] holds outputs transposed. Rows go 32 at a time (two B
 // tiles, four C tiles: each weight tile loaded serves both), the weights read in place.
 // (Copying them first into contiguous tiles, against the 16 rows' 4 KiB stride at K = 2048,
-// was measured slower: past 32 rows they come from L2 either way.) After each 32 rows,
-// epilogue(buf, rb, m1, m2) gets the C tiles as stored: buf[0] = a0's rows x rows rb..rb+m1,
-// buf[1] = a1's x the same rows, buf[2] and buf[3] the same for rows rb+16..rb+16+m2 (m2 = 0:
-// absent); row c of a tile holds weight row c's outputs for the tile's rows, one per lane
-// (lanes past m hold stale values). `shape`: the row counts the thread's tiles are configured
-// for (-1: none yet).
-template <typename Epilogue>
+// was measured slower: past 32 rows they come from L2 either way.)
+// The epilogue comes in `units` pieces, unit(buf, rb, m1, m2, u) for u < units, and a 32-row
+// block's pieces run during the next block's k steps (the last block's after its own), so the
+// vector units write one block's outputs while the tiles compute the next (run after each
+// block, the epilogues took ~40% of a prefill layer). buf holds the C tiles as stored: buf[0]
+// = a0's rows x rows rb..rb+m1, buf[1] = a1's x the same rows, buf[2] and buf[3] the same for
+// rows rb+16..rb+16+m2 (m2 = 0: absent); row c of a tile holds weight row c's outputs for the
+// tile's rows, one per lane (lanes past m hold stale values). `shape`: the row counts the
+// thread's tiles are configured for (-1: none yet).
+template <typename Unit>
 void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* a1, int64_t ldw, int64_t& shape,
-              Epilogue&& epilogue) {
-  alignas(64) float buf[4][16 * 16];
+              int64_t units, Unit&& unit) {
+  alignas(64) float buf[2][4][16 * 16];
+  int64_t prev_rb = -1, prev_m1 = 0, prev_m2 = 0, flip = 0;
+  const int64_t steps = K / 32, per_step = (units + steps - 1) / steps;
   for (int64_t rb = 0; rb < n; rb += 32) {
     const int64_t m1 = std::min<int64_t>(16, n - rb), m2 = std::min<int64_t>(16, std::max<int64_t>(0, n - rb - 16));
     if (m1 * 17 + m2 != shape) {
@@ -235,7 +240,7 @@ void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* 
         moestream_amx::configure({TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, c1}, {4, 16, c1}, {5, 16, c1}});
       shape = m1 * 17 + m2;
     }
-    const bf16* b1 = xb + rb * K;  // blocks rb / 16 and rb / 16 + 1, 16 * K elements each
+    const bf16* b1 = xb + rb * K;
     const bf16* b2 = b1 + 16 * K;
     _tile_zero(4);
     _tile_zero(5);
@@ -243,26 +248,31 @@ void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* 
       _tile_zero(6);
       _tile_zero(7);
     }
-    for (int64_t q = 0; q < K / 32; ++q) {
+    const float (*pb)[256] = buf[flip ^ 1];
+    for (int64_t q = 0; q < steps; ++q) {
       _tile_loadd(0, a0 + 32 * q, ldw * 2);
       _tile_loadd(1, a1 + 32 * q, ldw * 2);
       _tile_loadd(2, b1 + q * 512, 64);
       _tile_dpbf16ps(4, 0, 2);
       _tile_dpbf16ps(5, 1, 2);
-      if (m2 > 0) {  // the second row block (tiles 3, 6, 7 are configured only then)
+      if (m2 > 0) {
         _tile_loadd(3, b2 + q * 512, 64);
         _tile_dpbf16ps(6, 0, 3);
         _tile_dpbf16ps(7, 1, 3);
       }
+      if (prev_rb >= 0)
+        for (int64_t u = q * per_step; u < std::min(units, (q + 1) * per_step); ++u) unit(pb, prev_rb, prev_m1, prev_m2, u);
     }
-    _tile_stored(4, buf[0], 64);
-    _tile_stored(5, buf[1], 64);
+    _tile_stored(4, buf[flip][0], 64);
+    _tile_stored(5, buf[flip][1], 64);
     if (m2 > 0) {
-      _tile_stored(6, buf[2], 64);
-      _tile_stored(7, buf[3], 64);
+      _tile_stored(6, buf[flip][2], 64);
+      _tile_stored(7, buf[flip][3], 64);
     }
-    epilogue(buf, rb, m1, m2);
+    prev_rb = rb, prev_m1 = m1, prev_m2 = m2, flip ^= 1;
   }
+  if (prev_rb >= 0)
+    for (int64_t u = 0; u < units; ++u) unit(buf[flip ^ 1], prev_rb, prev_m1, prev_m2, u);
 }
 
 // The 16 rows' outputs of C tile `tile` (buf as amx_rows gives it) in v[t] (16 outputs of row t).
@@ -276,20 +286,20 @@ inline void tile_rows(const float (*buf)[256], int tile, __m512* v) {
 // values, when given, added and rounded again), as `project` rounds the other paths' outputs.
 void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw, const bf16* bias, float* out,
                 int64_t ldo, int64_t& shape) {
-  amx_rows(xb, n, K, W, W + 16 * ldw, ldw, shape, [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
-    // each C tile [16 columns][m rows] transposed in registers into the rows' outputs
-    for (int tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
-      const int64_t m = tile < 2 ? m1 : m2, r0 = rb + 16 * (tile / 2), c0 = 16 * (tile % 2);
-      __m512 v[16];
-      tile_rows(buf, tile, v);
-      const __m512 b = bias != nullptr ? load16(bias + c0) : _mm512_setzero_ps();
-      for (int64_t t = 0; t < m; ++t) {
-        __m512 y = round16<bf16>(v[t]);
-        if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
-        _mm512_storeu_ps(out + (r0 + t) * ldo + c0, y);
-      }
-    }
-  });
+  amx_rows(xb, n, K, W, W + 16 * ldw, ldw, shape, 4,
+                      [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2, int64_t tile) {
+                        // C tile [16 columns][m rows] transposed in registers into the rows' outputs
+                        if (tile >= 2 && m2 == 0) return;
+                        const int64_t m = tile < 2 ? m1 : m2, r0 = rb + 16 * (tile / 2), c0 = 16 * (tile % 2);
+                        __m512 v[16];
+                        tile_rows(buf, static_cast<int>(tile), v);
+                        const __m512 b = bias != nullptr ? load16(bias + c0) : _mm512_setzero_ps();
+                        for (int64_t t = 0; t < m; ++t) {
+                          __m512 y = round16<bf16>(v[t]);
+                          if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
+                          _mm512_storeu_ps(out + (r0 + t) * ldo + c0, y);
+                        }
+                      });
 }
 #endif
 
@@ -443,20 +453,18 @@ void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const flo
       const bf16* ub = b1 != nullptr ? (*b1)[e] + I + j0 : nullptr;
       // down's B operand: expert e's blocks of 16 rows, [I / 2 pairs][16 rows] int32 each
       int32_t* dst = reinterpret_cast<int32_t*>(apd + first[e] * 16 * I);
-      amx_rows(xpd + first[e] * 16 * H, counts[e], H, g, u, H, shape,
-               [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
+      amx_rows(xpd + first[e] * 16 * H, counts[e], H, g, u, H, shape, 16,
+               [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2, int64_t unit) {
                  (void)m1;
-                 for (int64_t half = 0; half < (m2 > 0 ? 2 : 1); ++half) {
-                   const float* gt = buf[2 * half];
-                   const float* ut = buf[2 * half + 1];
-                   int32_t* blk = dst + (rb / 16 + half) * 8 * I + j0 / 2 * 16;
-                   for (int64_t c = 0; c < 16; c += 2) {
-                     const __m512i lo = swiglu16(gt + c * 16, ut + c * 16, gb ? gb + c : nullptr, ub ? ub + c : nullptr);
-                     const __m512i hi = swiglu16(gt + (c + 1) * 16, ut + (c + 1) * 16, gb ? gb + c + 1 : nullptr,
-                                                 ub ? ub + c + 1 : nullptr);
-                     _mm512_storeu_si512(blk + c / 2 * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-                   }
-                 }
+                 const int64_t half = unit / 8, c = unit % 8 * 2;
+                 if (half == 1 && m2 == 0) return;
+                 const float* gt = buf[2 * half];
+                 const float* ut = buf[2 * half + 1];
+                 int32_t* blk = dst + (rb / 16 + half) * 8 * I + j0 / 2 * 16;
+                 const __m512i lo = swiglu16(gt + c * 16, ut + c * 16, gb ? gb + c : nullptr, ub ? ub + c : nullptr);
+                 const __m512i hi = swiglu16(gt + (c + 1) * 16, ut + (c + 1) * 16, gb ? gb + c + 1 : nullptr,
+                                             ub ? ub + c + 1 : nullptr);
+                 _mm512_storeu_si512(blk + c / 2 * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
                });
     }
     if (shape >= 0) _tile_release();
@@ -475,23 +483,23 @@ void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const flo
           rows = (*W2.dense)[e] + c * 32 * I;
         }
         const bf16* bias = b2 != nullptr ? (*b2)[e] + c * 32 : nullptr;
-        amx_rows(apd + first[e] * 16 * I, counts[e], I, rows, rows + 16 * I, I, shape,
-                 [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2) {
-                   for (int tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
-                     const int64_t m = tile < 2 ? m1 : m2, r0 = start[e] + rb + 16 * (tile / 2);
-                     const int64_t col = c * 32 + 16 * (tile % 2);
-                     __m512 v[16];
-                     tile_rows(buf, tile, v);
-                     const __m512 b = bias != nullptr ? load16(bias + 16 * (tile % 2)) : _mm512_setzero_ps();
-                     for (int64_t t = 0; t < m; ++t) {
-                       __m512 y = round16<bf16>(v[t]);
-                       if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
-                       float* o = od + tok[r0 + t] * ldo + col;
-                       // a product, then a sum: two roundings (no FMA contraction), as the combine
-                       _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_mul_ps(y, _mm512_set1_ps(w[r0 + t]))));
-                     }
-                   }
-                 });
+        amx_rows(apd + first[e] * 16 * I, counts[e], I, rows, rows + 16 * I, I, shape, 4,
+                            [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2, int64_t tile) {
+                              if (tile >= 2 && m2 == 0) return;
+                              const int64_t m = tile < 2 ? m1 : m2, r0 = start[e] + rb + 16 * (tile / 2);
+                              const int64_t col = c * 32 + 16 * (tile % 2);
+                              __m512 v[16];
+                              tile_rows(buf, static_cast<int>(tile), v);
+                              const __m512 b = bias != nullptr ? load16(bias + 16 * (tile % 2)) : _mm512_setzero_ps();
+                              for (int64_t t = 0; t < m; ++t) {
+                                __m512 y = round16<bf16>(v[t]);
+                                if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
+                                float* o = od + tok[r0 + t] * ldo + col;
+                                // a product, then a sum: two roundings (no FMA contraction), as the combine
+                                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o),
+                                                                  _mm512_mul_ps(y, _mm512_set1_ps(w[r0 + t]))));
+                              }
+                            });
       }
     }
     if (shape >= 0) _tile_release();
@@ -506,10 +514,9 @@ void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const flo
 // as it did all at once.
 constexpr int64_t GROUP_PAIRS = 512;
 // Fewer rows than this per active expert, on average, and amx_swiglu_group was slower than the
-// four passes (128 tokens of `small`'s layer, 16 rows an expert: 0.94 against 0.69 ms; 32
-// rows: 1.02 against 1.08; 64: 1.70 against 1.90), its epilogue's activation then weighing
-// on every weight tile's pass.
-constexpr int64_t SWIGLU_AMX_MIN_MEAN_ROWS = 32;
+// four passes (`small`'s layer, 2 threads: 16 tokens, 2 rows an expert, 0.57 against 0.44 ms;
+// 16 rows: 0.64 against 0.66; 32 rows: 0.97 against 1.03).
+constexpr int64_t SWIGLU_AMX_MIN_MEAN_ROWS = 16;
 
 template <typename T>
 void fused_moe_impl(const at::Tensor& x, const Weights<T>& w1, const Weights<T>& w2, int64_t I,
