@@ -18,6 +18,7 @@
 #include "gemm.h"
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -299,6 +300,27 @@ void linear_vnni_amx_impl(const at::Tensor& x, const at::Tensor& packed, int64_t
           if (m2 > 0) {
             _tile_stored(6, buf[2], 64);
             _tile_stored(7, buf[3], 64);
+          }
+          const int64_t c32 = j0 + g * 32;
+          if (std::is_same<O, bf16>::value && c32 + 32 <= j0 + ncols) {
+            // both tiles' 32 outputs of a row as one 64-byte store: each value's bf16 bits (the
+            // same rounding), the two tiles' halves interleaved back into column order
+            const __m512i idx = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30,
+                                                 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+            const __m512 b0 = bias != nullptr ? _mm512_loadu_ps(bias + c32) : _mm512_setzero_ps();
+            const __m512 b1 = bias != nullptr ? _mm512_loadu_ps(bias + c32 + 16) : _mm512_setzero_ps();
+            for (int64_t half = 0; half < (m2 > 0 ? 2 : 1); ++half) {
+              const float* t0 = buf[2 * half];
+              const float* t1 = buf[2 * half + 1];
+              const int64_t m = half == 0 ? m1 : m2, rr = rb + 16 * half;
+              for (int64_t r = 0; r < m; ++r) {
+                __m512 v0 = _mm512_load_ps(t0 + r * 16), v1 = _mm512_load_ps(t1 + r * 16);
+                if (bias != nullptr) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+                const __m512i w = _mm512_permutex2var_epi16(to_bf16_bits32(v0), idx, to_bf16_bits32(v1));
+                _mm512_storeu_si512(reinterpret_cast<void*>(od + (rr + r) * N + c32), w);
+              }
+            }
+            continue;
           }
           for (int64_t tile = 0; tile < (m2 > 0 ? 4 : 2); ++tile) {
             const int64_t m = tile < 2 ? m1 : m2, rr = rb + 16 * (tile / 2);
