@@ -54,19 +54,24 @@ using namespace moestream_gemm;
 
 inline float sigmoid(float v) { return 1.f / (1.f + std::exp(-v)); }
 
+#if defined(__AVX512F__)
+// SwiGLU for 16 lanes: silu(g) rounded to the compute dtype, times u (to be rounded by the
+// caller's store); g and u already at the dtype's precision. exp512: within 1e-7 of expf.
+template <typename T>
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  return _mm512_mul_ps(round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))))), u);
+}
+#endif
+
 // One pair's gated activation: h [2I] (float32 values at the compute dtype's precision) -> a [I].
 template <typename T>
 void activation(const float* h, int64_t I, int64_t act, float alpha, float limit, T* a) {
   if (act == 0) {  // SwiGLU: silu(gate) * up, gate = h[:I], up = h[I:]
     int64_t i = 0;
 #if defined(__AVX512F__)
-    // 16 at a time, the same ops and roundings (exp512: within 1e-7 of expf)
-    const __m512 one = _mm512_set1_ps(1.f);
-    for (; i + 16 <= I; i += 16) {
-      const __m512 g = _mm512_loadu_ps(h + i);
-      const __m512 s = round16<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-      store16(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(h + I + i)));
-    }
+    for (; i + 16 <= I; i += 16)  // 16 at a time, the same ops and roundings
+      store16(a + i, silu_mul16<T>(_mm512_loadu_ps(h + i), _mm512_loadu_ps(h + I + i)));
 #endif
     for (; i < I; ++i) {
       const float g = h[i];
@@ -208,20 +213,6 @@ at::Tensor pack_row_pairs(const bf16* A, int64_t K, const std::vector<int64_t>& 
   return packed;
 }
 
-// The n rows of one expert (their blocks at xb) against 32 weight rows, 16 at a0 and 16 at a1
-// (row stride ldw): the weights are the A tiles (16 rows x 32 k each), the rows the B tiles, so
-// a C tile [16 weight rows, m rows] holds outputs transposed. Rows go 32 at a time (two B
-// tiles, four C tiles: each weight tile loaded serves both), the weights read in place.
-// (Copying them first into contiguous tiles, against the 16 rows' 4 KiB stride at K = 2048,
-// was measured slower: past 32 rows they come from L2 either way.)
-// The epilogue comes in `units` pieces, unit(buf, rb, m1, m2, u) for u < units, and a 32-row
-// block's pieces run during the next block's k steps (the last block's after its own), so the
-// vector units write one block's outputs while the tiles compute the next (run after each
-// block, the epilogues took ~40% of a prefill layer). buf holds the C tiles as stored: buf[0]
-// = a0's rows x rows rb..rb+m1, buf[1] = a1's x the same rows, buf[2] and buf[3] the same for
-// rows rb+16..rb+16+m2 (m2 = 0: absent); row c of a tile holds weight row c's outputs for the
-// tile's rows, one per lane (lanes past m hold stale values). `shape`: the row counts the
-// thread's tiles are configured for (-1: none yet).
 // The next work item's weights, asked into L2 a slice per k step of this one (its first row
 // block would otherwise wait on memory: a prefill layer's experts are read once, from DRAM):
 // two blocks of 16 rows of K values at r0 and r1, row stride ld; r0 null: nothing.
@@ -236,6 +227,28 @@ struct Ahead {
 // `medium`, 8 rows an expert, read 24.0 GB/s with it against 24.8 without).
 constexpr int64_t AHEAD_MIN_ROWS = 64;
 
+// The first work item after i, before end, whose expert has rows (items: expert i / chunks);
+// -1 when none.
+inline int64_t next_item(int64_t i, int64_t end, const std::vector<int64_t>& counts, int64_t chunks) {
+  for (int64_t n = i + 1; n < end; ++n)
+    if (counts[n / chunks] > 0) return n;
+  return -1;
+}
+
+// The n rows of one expert (their blocks at xb) against 32 weight rows, 16 at a0 and 16 at a1
+// (row stride ldw): the weights are the A tiles (16 rows x 32 k each), the rows the B tiles, so
+// a C tile [16 weight rows, m rows] holds outputs transposed. Rows go 32 at a time (two B
+// tiles, four C tiles: each weight tile loaded serves both), the weights read in place.
+// (Copying them first into contiguous tiles, against the 16 rows' 4 KiB stride at K = 2048,
+// was measured slower: past 32 rows they come from L2 either way.)
+// The epilogue comes in `units` pieces, unit(buf, rb, m1, m2, u) for u < units, and a 32-row
+// block's pieces run during the next block's k steps (the last block's after its own), so the
+// vector units write one block's outputs while the tiles compute the next (run after each
+// block, the epilogues took ~40% of a prefill layer). buf holds the C tiles as stored: buf[0]
+// = a0's rows x rows rb..rb+m1, buf[1] = a1's x the same rows, buf[2] and buf[3] the same for
+// rows rb+16..rb+16+m2 (m2 = 0: absent); row c of a tile holds weight row c's outputs for the
+// tile's rows, one per lane (lanes past m hold stale values). `shape`: the row counts the
+// thread's tiles are configured for (-1: none yet).
 template <typename Unit>
 void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* a1, int64_t ldw, int64_t& shape,
               int64_t units, Unit&& unit, const Ahead& ahead = Ahead{}) {
@@ -258,7 +271,7 @@ void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* 
         moestream_amx::configure({TileShape{0, 16, 64}, {1, 16, 64}, {2, 16, c1}, {4, 16, c1}, {5, 16, c1}});
       shape = m1 * 17 + m2;
     }
-    const bf16* b1 = xb + rb * K;
+    const bf16* b1 = xb + rb * K;  // blocks rb / 16 and rb / 16 + 1, 16 * K elements each
     const bf16* b2 = b1 + 16 * K;
     _tile_zero(4);
     _tile_zero(5);
@@ -273,7 +286,7 @@ void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* 
       _tile_loadd(2, b1 + q * 512, 64);
       _tile_dpbf16ps(4, 0, 2);
       _tile_dpbf16ps(5, 1, 2);
-      if (m2 > 0) {
+      if (m2 > 0) {  // the second row block (tiles 3, 6, 7 are configured only then)
         _tile_loadd(3, b2 + q * 512, 64);
         _tile_dpbf16ps(6, 0, 3);
         _tile_dpbf16ps(7, 1, 3);
@@ -298,10 +311,17 @@ void amx_rows(const bf16* xb, int64_t n, int64_t K, const bf16* a0, const bf16* 
     for (int64_t u = 0; u < units; ++u) unit(buf[flip ^ 1], prev_rb, prev_m1, prev_m2, u);
 }
 
-// The 16 rows' outputs of C tile `tile` (buf as amx_rows gives it) in v[t] (16 outputs of row t).
-inline void tile_rows(const float (*buf)[256], int tile, __m512* v) {
+// The 16 rows' outputs of C tile `tile` (buf as amx_rows gives it) in v[t] (16 outputs of row t),
+// transposed in registers, rounded to bf16 (and `bias`'s 16 values, when given, added and
+// rounded again), as `project` rounds the other paths' outputs.
+inline void tile_rows(const float (*buf)[256], int64_t tile, const bf16* bias, __m512* v) {
   for (int c = 0; c < 16; ++c) v[c] = _mm512_load_ps(buf[tile] + c * 16);
   transpose16x16(v);
+  const __m512 b = bias != nullptr ? load16(bias) : _mm512_setzero_ps();
+  for (int t = 0; t < 16; ++t) {
+    v[t] = round16<bf16>(v[t]);
+    if (bias != nullptr) v[t] = round16<bf16>(_mm512_add_ps(v[t], b));
+  }
 }
 
 // out[p][j] (float32, row stride ldo) for the n rows of one expert (their blocks at xb) and
@@ -315,13 +335,8 @@ void amx_cols32(const bf16* xb, int64_t n, int64_t K, const bf16* W, int64_t ldw
                         if (tile >= 2 && m2 == 0) return;
                         const int64_t m = tile < 2 ? m1 : m2, r0 = rb + 16 * (tile / 2), c0 = 16 * (tile % 2);
                         __m512 v[16];
-                        tile_rows(buf, static_cast<int>(tile), v);
-                        const __m512 b = bias != nullptr ? load16(bias + c0) : _mm512_setzero_ps();
-                        for (int64_t t = 0; t < m; ++t) {
-                          __m512 y = round16<bf16>(v[t]);
-                          if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
-                          _mm512_storeu_ps(out + (r0 + t) * ldo + c0, y);
-                        }
+                        tile_rows(buf, tile, bias != nullptr ? bias + c0 : nullptr, v);
+                        for (int64_t t = 0; t < m; ++t) _mm512_storeu_ps(out + (r0 + t) * ldo + c0, v[t]);
                       }, ahead);
 }
 #endif
@@ -387,12 +402,11 @@ void project(const T* A, int64_t K, const Weights<T>& W, const std::vector<const
       if (amx) {
         const bf16* b = bias != nullptr ? reinterpret_cast<const bf16*>((*bias)[e]) + j0 : nullptr;
         Ahead ahead;  // the thread's next work item's 32 weight rows (dense weights only)
-        for (int64_t n = i + 1; n < bounds[t1] && W.dense != nullptr && counts[e] >= AHEAD_MIN_ROWS; ++n)
-          if (counts[n / chunks] > 0) {
-            const bf16* r = reinterpret_cast<const bf16*>((*W.dense)[n / chunks]) + n % chunks * COL_CHUNK * K;
-            ahead = Ahead{r, r + 16 * K, K};
-            break;
-          }
+        const int64_t n = counts[e] >= AHEAD_MIN_ROWS && W.dense != nullptr ? next_item(i, bounds[t1], counts, chunks) : -1;
+        if (n >= 0) {
+          const bf16* r = reinterpret_cast<const bf16*>((*W.dense)[n / chunks]) + n % chunks * COL_CHUNK * K;
+          ahead = Ahead{r, r + 16 * K, K};
+        }
         amx_cols32(pairs.data_ptr<bf16>() + first[e] * 16 * K, counts[e], K, reinterpret_cast<const bf16*>(rows), K,
                    b, out + start[e] * N + j0, N, shape, ahead);
         continue;  // rounded (and biased) there
@@ -437,9 +451,7 @@ inline __m512i swiglu16(const float* g_acc, const float* u_acc, const bf16* g_bi
     g = round16<bf16>(_mm512_add_ps(g, _mm512_set1_ps(static_cast<float>(*g_bias))));
     u = round16<bf16>(_mm512_add_ps(u, _mm512_set1_ps(static_cast<float>(*u_bias))));
   }
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 s = round16<bf16>(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-  return to_bf16_bits32(_mm512_mul_ps(s, u));
+  return to_bf16_bits32(silu_mul16<bf16>(g, u));
 }
 
 // One group's experts, bf16 SwiGLU (gate rows then up rows) on AMX, in two passes instead of
@@ -484,12 +496,11 @@ void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const flo
       // down's B operand: expert e's blocks of 16 rows, [I / 2 pairs][16 rows] int32 each
       int32_t* dst = reinterpret_cast<int32_t*>(apd + first[e] * 16 * I);
       Ahead ahead;  // the thread's next work item's gate and up rows (dense weights only)
-      for (int64_t n = i + 1; n < bounds[t1] && W1.dense != nullptr && counts[e] >= AHEAD_MIN_ROWS; ++n)
-        if (counts[n / chunks1] > 0) {
-          const bf16* r = (*W1.dense)[n / chunks1] + n % chunks1 * 16 * H;
-          ahead = Ahead{r, r + I * H, H};
-          break;
-        }
+      const int64_t n = counts[e] >= AHEAD_MIN_ROWS && W1.dense != nullptr ? next_item(i, bounds[t1], counts, chunks1) : -1;
+      if (n >= 0) {
+        const bf16* r = (*W1.dense)[n / chunks1] + n % chunks1 * 16 * H;
+        ahead = Ahead{r, r + I * H, H};
+      }
       amx_rows(xpd + first[e] * 16 * H, counts[e], H, g, u, H, shape, 16,
                [&](const float (*buf)[256], int64_t rb, int64_t m1, int64_t m2, int64_t unit) {
                  (void)m1;
@@ -537,15 +548,12 @@ void amx_swiglu_group(const bf16* xd, int64_t ldx, const int64_t* tok, const flo
                               const int64_t m = tile < 2 ? m1 : m2, r0 = start[e] + rb + 16 * (tile / 2);
                               const int64_t col = c * 32 + 16 * (tile % 2);
                               __m512 v[16];
-                              tile_rows(buf, static_cast<int>(tile), v);
-                              const __m512 b = bias != nullptr ? load16(bias + 16 * (tile % 2)) : _mm512_setzero_ps();
+                              tile_rows(buf, tile, bias != nullptr ? bias + 16 * (tile % 2) : nullptr, v);
                               for (int64_t t = 0; t < m; ++t) {
-                                __m512 y = round16<bf16>(v[t]);
-                                if (bias != nullptr) y = round16<bf16>(_mm512_add_ps(y, b));
                                 float* o = od + tok[r0 + t] * ldo + col;
                                 // a product, then a sum: two roundings (no FMA contraction), as the combine
                                 _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o),
-                                                                  _mm512_mul_ps(y, _mm512_set1_ps(w[r0 + t]))));
+                                                                  _mm512_mul_ps(v[t], _mm512_set1_ps(w[r0 + t]))));
                               }
                             }, ahead);
       }

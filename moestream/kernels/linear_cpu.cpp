@@ -240,8 +240,9 @@ void linear_vnni_impl(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
 // A work item is a super-block's 128 outputs over up to AMX_ROW_CHUNK rows, taken 32 outputs
 // at a time across all its rows: those outputs' weights (32 x K bf16: 32 KiB at K = 512) stay
 // in L1 while the rows stream from L2 (one A tile against four B tiles, the weights streaming
-// from L2, was measured slower; so was writing a pass's outputs during the next pass's steps). Needs K a multiple of 32 (whole A tiles). Each output adds its k pairs in
-// order, as TDPBF16PS adds them, whatever the rows around it: a row's result does not depend on M.
+// from L2, was measured slower; so was writing a pass's outputs during the next pass's
+// steps). Needs K a multiple of 32 (whole A tiles). Each output adds its k pairs in order, as
+// TDPBF16PS adds them, whatever the rows around it: a row's result does not depend on M.
 constexpr int64_t AMX_ROW_CHUNK = 256;  // rows per work item (a multiple of the 32-row pass)
 
 template <typename O>

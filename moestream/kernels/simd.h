@@ -88,13 +88,17 @@ inline __m512 exp512(__m512 x) {
 
 #if defined(__AVX512F__)
 // float32 -> bf16 bits, round to nearest even, as c10::BFloat16 rounds (keeping denormals,
-// which vcvtneps2bf16 would flush; a NaN becomes c10's 0x7FC0).
-// to_bf16_bits32: the same bits in the low half of each 32-bit lane (the high half zero).
-inline __m512i to_bf16_bits32(__m512 v) {
+// which vcvtneps2bf16 would flush; a NaN becomes c10's 0x7FC0). rne_add: v's bits plus the
+// rounding increment, the bf16 bits then in the high half of each lane.
+inline __m512i rne_add(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb);
+}
+inline __mmask16 nan_lanes(__m512 v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+// to_bf16_bits32: the bits in the low half of each 32-bit lane (the high half zero).
+inline __m512i to_bf16_bits32(__m512 v) {
+  return _mm512_mask_mov_epi32(_mm512_srli_epi32(rne_add(v), 16), nan_lanes(v), _mm512_set1_epi32(0x7FC0));
 }
 inline __m256i to_bf16_bits(__m512 v) { return _mm512_cvtepi32_epi16(to_bf16_bits32(v)); }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -103,15 +107,11 @@ inline void store16(c10::BFloat16* p, __m512 v) {
 }
 
 // v rounded to the compute dtype's precision (bf16: to nearest even, back as float32): the
-// bits to_bf16_bits32 gives, left in the high half (no narrowing and widening).
+// bits to_bf16_bits32 gives, kept in the high half (no narrowing and widening, no shifts).
 template <typename T>
 inline __m512 round16(__m512 v) {
   if constexpr (std::is_same<T, float>::value) return v;
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb),
-                                     _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  return _mm512_castsi512_ps(
-      _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000)));
+  const __m512i r = _mm512_and_si512(rne_add(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(r, nan_lanes(v), _mm512_set1_epi32(0x7FC00000)));
 }
 #endif
