@@ -232,7 +232,8 @@ def run_moestream(spec: dict, prompts: dict[str, list[list[int]]]) -> tuple[dict
 
     llm = LLM(spec["ckpt"], dtype="bfloat16", expert_budget=spec["budget_bytes"], threads=spec["threads"],
               max_model_len=spec["prompt_len"] + spec["max_tokens"] + 16, max_num_seqs=4,
-              kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, expert_prefetch=spec["prefetch"])
+              kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, expert_prefetch=spec["prefetch"],
+              expert_direct_io=spec.get("direct_io", "auto"))
     engine = llm.llm_engine
     router = None
     if spec["routing"] == "trace":
@@ -276,6 +277,7 @@ def run_moestream(spec: dict, prompts: dict[str, list[list[int]]]) -> tuple[dict
             row.update(hit_rate=hits / max(hits + misses, 1), misses=misses, expert_bytes_read=stats["bytes_read"] -
                        before["bytes_read"], stall_s=stats["stall_seconds"] - before["stall_seconds"],
                        prefetch_bytes=stats.get("prefetch_bytes", 0) - before.get("prefetch_bytes", 0),
+                       wasted_prefetch_bytes=stats.get("wasted_prefetch_bytes", 0) - before.get("wasted_prefetch_bytes", 0),
                        forced_pairs=router.forced_pairs if router else 0)
             rows.append(row)
     return {"engine": "moestream"}, rows
@@ -423,29 +425,31 @@ def markdown(results: list[dict], meta: dict) -> list[str]:
         f"{meta['prefetch']} on random rows, {meta['trace_prefetch']} on trace rows.",
         "",
         "I/O floor: the disk bytes one decode step read (first token to last, over the steps) / the sequential "
-        "read bandwidth; TPOT / floor is how far the engine is from spending a step only on its reads.",
+        "read bandwidth measured just before that engine's run (disk MiB/s: 256 MiB read cold; cloud disks throttle, "
+        "so it drifts); TPOT / floor is how far the engine is from spending a step only on its reads.",
         "",
         "| engine | routing | budget | cap | workload | TTFT s | TPOT s | out tok/s | MiB read / decode token | "
-        "I/O floor s | TPOT / floor | hit rate | peak GiB |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "disk MiB/s | I/O floor s | TPOT / floor | hit rate | peak GiB |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['engine']} | {r['routing']} | {r['budget_gib']:g} GiB | | | {r['status']}: "
-                         f"{r['error'][-200:]!s} | | | | | | | |".replace("\n", " "))
+                         f"{r['error'][-200:]!s} | | | | | | | | |".replace("\n", " "))
             continue
         for row in r["rows"]:
             # the floor of one decode step (a batch's step makes one token of each request)
             steps = row.get("decode_steps") or (row["output_tokens"] - row["requests"] if r["engine"] == "llama_cpp"
                                                  else row["output_tokens"] // row["requests"] - 1)
-            floor = row["decode_read_bytes"] / max(steps, 1) / bw
+            disk = r.get("disk_read_bytes_per_s") or bw
+            floor = row["decode_read_bytes"] / max(steps, 1) / disk
             per_token = row["decode_read_bytes"] / max(row["output_tokens"] - row["requests"], 1)
             ratio = row["tpot_s"] / floor if floor > 0 else None
             lines.append(
                 f"| {r['engine']} | {r['routing']} | {r['budget_gib']:g} GiB | {r['cap_bytes'] / GiB:.0f} GiB | "
                 f"{row['workload']} | {row['ttft_s']:.2f} | {row['tpot_s']:.3f} | "
                 f"{format(row['output_tokens'] / row['wall_s'], '.2f') if row.get('wall_s') else '-'} | "
-                f"{per_token / 2**20:.0f} | "
+                f"{per_token / 2**20:.0f} | {disk / 2**20:.0f} | "
                 f"{floor:.3f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'-' if row.get('hit_rate') is None else format(row['hit_rate'], '.2f')} | "
                 f"{(r['cgroup_peak_bytes'] or 0) / GiB:.1f} |")
@@ -509,6 +513,8 @@ def main() -> int:
     ap.add_argument("--prefetch", default="auto", help="moestream's expert_prefetch on random rows (auto: none on CPU)")
     ap.add_argument("--trace-prefetch", default="none",
                     help="moestream's expert_prefetch on trace rows (the forced ids do not follow the gate)")
+    ap.add_argument("--direct-io", default="auto", choices=("auto", "on", "off"),
+                    help="moestream's expert_direct_io (auto: O_DIRECT when the experts do not fit in the page cache)")
     ap.add_argument("--overhead-gib", type=float, default=3.0, help="cgroup cap = budget + this")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -548,7 +554,8 @@ def main() -> int:
             "ram_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB,
             "sequential_read_bytes_per_s": bw, "overhead_gib": args.overhead_gib, "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens, "hf_max_tokens": args.hf_max_tokens,
-            "prefetch": args.prefetch, "trace_prefetch": args.trace_prefetch, "load_before": os.getloadavg()[0],
+            "prefetch": args.prefetch, "trace_prefetch": args.trace_prefetch, "direct_io": args.direct_io,
+            "load_before": os.getloadavg()[0],
             "page_cache": drop_page_cache([args.ckpt])}
     files = [args.ckpt] + ([gguf] if gguf else [])
     results = []
@@ -561,13 +568,15 @@ def main() -> int:
                 "budget_bytes": int(budget * GiB), "hf_cpu_bytes": int(budget * GiB + dense),
                 "offload_folder": os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "hf-offload"),
                 "threads": args.threads, "prefetch": args.prefetch if routing == "random" else args.trace_prefetch,
+                "direct_io": args.direct_io,
                 "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                 "hf_max_tokens": args.hf_max_tokens, "concurrency": [int(c) for c in args.concurrency.split(",")]}
         if routing == "trace" and not args.trace:
             continue
-        print(f"{engine} {routing} {budget:g} GiB ...", flush=True)
+        disk_bw = sequential_read_bandwidth(args.ckpt, nbytes=256 << 20, repeats=1)  # it drifts: cloud disks throttle
+        print(f"{engine} {routing} {budget:g} GiB (disk {disk_bw / 2**20:.0f} MiB/s) ...", flush=True)
         r = run_engine(engine, spec, int((budget + args.overhead_gib) * GiB), args.timeout)
-        r.update(engine=engine, routing=routing, budget_gib=budget)
+        r.update(engine=engine, routing=routing, budget_gib=budget, disk_read_bytes_per_s=disk_bw)
         print(json.dumps({k: v for k, v in r.items() if k != "info"})[:600], flush=True)
         results.append(r)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

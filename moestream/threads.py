@@ -22,6 +22,7 @@ import os
 import torch
 
 from moestream.config.engine import MAX_THREADS  # declared with the threads option
+from moestream.host_memory import read_sys_text
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,6 @@ Oversubscribed OpenMP threads on shared cores ran 8-20x slower (docs/performance
 ordinary batch and cache effects stay well within 2x."""
 
 
-def _read(path: str) -> str | None:
-    """The stripped text of `path`, or None when it cannot be read (absent: no such cgroup)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
 def _quota_cpus(quota: int, period: int) -> int:
     """CPUs a CFS quota allows: quota / period (both microseconds) rounded up, at least 1."""
     return max(1, -(-quota // period))
@@ -57,7 +49,7 @@ def cgroup_cpu_limit(cpu_max_path: str = CGROUP_V2_CPU_MAX, cgroup_v1_dir: str =
     limit), else the cgroup v1 files `cpu.cfs_quota_us` (-1: no limit) and `cpu.cfs_period_us`
     (microseconds) in `cgroup_v1_dir`. Missing files mean no quota. A file that cannot be
     parsed is logged (warning) and ignored: it never fails a start-up."""
-    text = _read(cpu_max_path)
+    text = read_sys_text(cpu_max_path)
     if text is not None:
         parts = text.split()
         if len(parts) == 2 and parts[0] == "max" and parts[1].isdigit():
@@ -67,7 +59,8 @@ def cgroup_cpu_limit(cpu_max_path: str = CGROUP_V2_CPU_MAX, cgroup_v1_dir: str =
         logger.warning("ignoring the CPU quota in %s: expected 'QUOTA PERIOD' or 'max PERIOD', got %r",
                        cpu_max_path, text[:80])
         return None
-    quota, period = (_read(os.path.join(cgroup_v1_dir, name)) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    quota, period = (read_sys_text(os.path.join(cgroup_v1_dir, name))
+                     for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
     if quota is None or period is None:
         return None
     try:

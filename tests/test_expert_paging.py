@@ -45,21 +45,25 @@ POLICIES = ["lru", "lfu", "activation", "next_use"]
 PREFETCH = ["none", "gate", "history"]
 
 
-@pytest.mark.parametrize("budget, policy, prefetch, host", [
-    ("50%", "lru", "none", False),
-    *[("25%", p, "none", False) for p in POLICIES],
-    *[("min", p, "none", False) for p in ("lru", "next_use")],  # at the minimum budget eviction has little choice
-    *[(b, "lru", f, False) for b, f in itertools.product(BUDGETS, PREFETCH[1:])],
-    ("25%", "next_use", "gate", True),  # a host cache holding every expert: misses computed in place
+@pytest.mark.parametrize("budget, policy, prefetch, host, direct", [
+    ("50%", "lru", "none", False, "off"),
+    *[("25%", p, "none", False, "auto") for p in POLICIES],
+    ("min", "lru", "none", False, "auto"),  # at the minimum budget eviction has little choice
+    ("min", "next_use", "none", False, "on"),  # and nearly every access is a miss: read with O_DIRECT
+    ("25%", "lru", "gate", False, "on"),  # O_DIRECT: the gate's predictions are read into slots
+    *[(b, "lru", f, False, "auto") for b, f in itertools.product(BUDGETS, PREFETCH[1:])],
+    ("25%", "next_use", "gate", True, "auto"),  # a host cache holding every expert: misses computed in place
 ])
-def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: str, prefetch: str, host: bool) -> None:
+def test_bit_exact_at_any_budget(model_dir: str, resident, budget: str, policy: str, prefetch: str, host: bool,
+                                 direct: str) -> None:
     cfg = model_config_from_hf(model_dir)
     value = {"50%": 0.5, "25%": 0.25, "min": cfg.num_experts_per_tok * expert_bytes(model_dir)}[budget]
     host_bytes = cfg.num_experts * sum(cfg.moe_layers) * expert_bytes(model_dir) if host else 0
     tokens, logits, llm = run(model_dir, expert_budget=value, expert_policy=policy, expert_prefetch=prefetch,
-                              expert_host_cache_bytes=host_bytes)
+                              expert_host_cache_bytes=host_bytes, expert_direct_io=direct)
     stats = llm.expert_stats()
     assert stats["resident"] is False and stats["policy"] == policy and stats["prefetch"] == prefetch
+    assert stats["direct_io"] == (direct == "on")  # auto: these checkpoints fit in the page cache
     ref_tokens, ref_logits = resident
     assert tokens == ref_tokens
     for ours, ref in zip(logits, ref_logits):

@@ -21,6 +21,8 @@ from moestream.experts.interface import ExpertWeights
 from moestream.experts.policy import LRUPolicy, make_policy
 from moestream.experts import store as store_module
 from moestream.experts.store import PagedExpertStore, load_pin_profile
+from moestream.experts import tiers as tiers_module
+from moestream.experts.tiers import DiskTier
 from moestream.loader import CheckpointReader, expert_locations
 
 
@@ -288,15 +290,19 @@ def test_failed_prefetch_frees_its_slot_and_demand_load_still_works(qwen_cfg, lo
     assert store.stats()["prefetch_loads"] == 1 and store.resident_experts() == {(2, 5), (2, 6)}
 
 
-@pytest.mark.parametrize("chunk,dtype", [(1 << 20, torch.float32), (1000, torch.float32), (1 << 20, torch.bfloat16)])
-def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors, monkeypatch, chunk, dtype) -> None:
+@pytest.mark.parametrize("chunk,dtype,direct", [(1 << 20, torch.float32, False), (1000, torch.float32, False),
+                                                (1000, torch.float32, True), (1 << 20, torch.bfloat16, True)])
+def test_concurrent_miss_reads_match_one_reader(qwen_cfg, locations, tensors, monkeypatch, chunk, dtype,
+                                                direct) -> None:
     """A call's disk misses are read by several workers at once, in byte ranges (1000 bytes:
-    ranges that cut tensors and elements), or whole experts when the engine's dtype differs
-    from the checkpoint's (bf16 from float32): the same victims, counts and bytes as one
-    reader, and every returned view holds its own expert, byte for byte."""
+    ranges that cut tensors and elements), buffered or with O_DIRECT, or whole experts when the
+    engine's dtype differs from the checkpoint's (bf16 from float32): the same victims, counts
+    and bytes as one reader, and every returned view holds its own expert, byte for byte."""
     monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", chunk)
     calls = [(0, [0, 1, 2]), (2, [3, 4, 5]), (0, [1, 6, 7]), (2, [0, 4, 7]), (0, [2, 3, 5])]
-    stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n, dtype=dtype) for n in (1, 4)]
+    stores = [make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=n, dtype=dtype,
+                         direct_io=direct) for n in (1, 4)]
+    assert stores[1].stats()["direct_io"] is direct
     assert stores[0]._read_pool is None and stores[1]._read_pool is not None
     ranges = stores[1]._disk.direct_ranges((0, 0), stores[1]._views[0])
     assert (len(ranges) == 3) if dtype == torch.float32 else ranges is None  # in ranges, or whole
@@ -331,3 +337,41 @@ def test_failed_concurrent_read_gives_back_every_slot(qwen_cfg, locations, tenso
     for e, view in zip([1, 2, 3], w):
         assert torch.equal(view.down, tensors[f"model.layers.2.mlp.experts.{e}.down_proj.weight"])
     assert store.resident_experts() == {(0, 0), (2, 1), (2, 2), (2, 3)}
+
+
+def _o_direct_works(path: str) -> bool:
+    """Whether `path`'s filesystem takes O_DIRECT (tmpfs before Linux 6.6 does not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+def test_direct_io_reads_equal_the_file_bytes(tmp_path, monkeypatch) -> None:
+    """O_DIRECT reads of ranges that start and end anywhere (inside a block, across blocks and
+    bounce buffers, up to the file's last byte) give the file's bytes; a range past the end is
+    refused by name; a read the filesystem refuses (EINVAL: here offsets that are not
+    block-aligned, with a 1-byte alignment) falls back to buffered reads of that file."""
+    monkeypatch.setattr(tiers_module, "DIRECT_IO_BOUNCE_BYTES", 3 * tiers_module.DIRECT_IO_ALIGN)
+    data = os.urandom(5 * tiers_module.DIRECT_IO_ALIGN + 123)
+    path = str(tmp_path / "bytes.bin")
+    with open(path, "wb") as f:
+        f.write(data)
+    ranges = [(0, 10), (4095, 2), (1234, 15000), (len(data) - 7, 7), (len(data) - 5000, 5000), (8192, 4096), (5, 0)]
+    disk = DiskTier({}, random_access=True, direct_io=True)
+    for off, n in ranges:
+        out = bytearray(n)
+        assert disk.read_range(path, off, memoryview(out)) == n and bytes(out) == data[off:off + n]
+    assert (disk._direct_fds[path] is not None) == _o_direct_works(path)  # read past the page cache where it can be
+    with pytest.raises(ValueError, match="bytes.bin"):
+        disk.read_range(path, len(data) - 10, memoryview(bytearray(20)))
+    disk.close()
+    monkeypatch.setattr(tiers_module, "DIRECT_IO_ALIGN", 1)
+    refused = DiskTier({}, random_access=True, direct_io=True)
+    out = bytearray(3000)
+    assert refused.read_range(path, 1234, memoryview(out)) == 3000 and bytes(out) == data[1234:4234]
+    assert refused._direct_fds[path] is None  # EINVAL once, buffered from then on
+    refused.read_range(path, 17, memoryview(out))
+    assert bytes(out) == data[17:3017]
+    refused.close()

@@ -27,6 +27,7 @@ class RecordingStore:
         self.inner, self.slots = inner, slots
         self.calls: list[tuple[int, list[int]]] = []
         self.routed: list[torch.Tensor] = []
+        self.prefetched: list[tuple[int, list[int]]] = []
 
     def ensure(self, layer, expert_ids):
         assert len(expert_ids) <= self.slots
@@ -40,7 +41,7 @@ class RecordingStore:
         self.routed.append(topk_ids.clone())
 
     def prefetch(self, layer, expert_ids) -> None:
-        pass
+        self.prefetched.append((layer, list(expert_ids)))
 
     def hint(self, layer, expert_ids) -> None:
         pass
@@ -80,6 +81,33 @@ def test_paged_executor_asks_only_for_active_experts_and_matches_naive() -> None
     assert torch.equal(store.routed[0], ids)
     torch.testing.assert_close(y, _naive(x, weights, ids, gate_up, down), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(T))  # norm_topk_prob renormalises
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_gate_lookahead_prefetches_the_top_k_predicted_experts_best_first(tokens: int) -> None:
+    """Gate lookahead: the next layer's router on this layer's input predicts each token's top-k;
+    the store is asked for at most k of them, ranked by their summed score over the tokens that
+    chose them (one token: exactly its top-k, best first)."""
+    torch.manual_seed(1)
+    H, I, E, K = 16, 8, 12, 3
+    inner = ResidentExpertStore()
+    inner.set_layer(0, torch.randn(E, 2 * I, H), torch.randn(E, H, I))
+    store = RecordingStore(inner)
+    store.lookahead = True
+    moe, nxt = (SparseMoE(H, E, K, norm_topk_prob=True, layer_idx=i, store=store) for i in (0, 1))
+    with torch.no_grad():
+        nxt.gate.weight.normal_()
+    moe.set_lookahead(1, nxt.gate)
+    x = torch.randn(tokens, H)
+    with torch.no_grad():
+        moe(x)
+        scores = nxt.gate.scores(x)  # [T, E]
+    top = scores.topk(K, dim=-1)
+    mass = torch.zeros(E).index_add_(0, top.indices.flatten(), top.values.flatten())
+    want = [e for e in mass.argsort(descending=True).tolist() if mass[e] > 0][:K]
+    assert store.prefetched == [(1, want)]
+    if tokens == 1:
+        assert want == top.indices[0].tolist()
 
 
 def _old_loop(x, weights, ids, gate_up, down):

@@ -136,3 +136,50 @@ def test_slow_step_hint() -> None:
             slow_step_hint(*bad)
     with pytest.raises(ValueError, match="ratio must be above 1"):
         slow_step_hint(1.0, 2, 5.0, ratio=1.0)
+
+
+def test_page_cache_room_reads_meminfo_and_the_own_memory_cgroup(tmp_path) -> None:
+    """`page_cache_room`: MemAvailable, capped by the process's own memory cgroup's limit less its
+    usage (v1 and v2 layouts, as /proc/self/cgroup names them); no limit, an unreadable or
+    absent file: the other figure alone, or None."""
+    from moestream.host_memory import cgroup_memory_room, mem_available, page_cache_room
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert mem_available(str(meminfo)) == 20000000 * 1024
+    assert mem_available(str(tmp_path / "absent")) is None
+    root = tmp_path / "cgroup"
+    v1 = root / "memory" / "bench" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(f"{11 << 30}\n")
+    (v1 / "memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    self_v1 = tmp_path / "self_v1"
+    self_v1.write_text("12:pids:/\n4:memory:/bench/job\n1:name=systemd:/\n")
+    assert cgroup_memory_room(str(self_v1), str(root)) == 10 << 30
+    assert page_cache_room(str(meminfo), str(self_v1), str(root)) == 10 << 30  # the cgroup is the smaller
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_memory_room(str(self_v1), str(root)) is None
+    assert page_cache_room(str(meminfo), str(self_v1), str(root)) == 20000000 * 1024
+    v2 = root / "job2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("max\n")
+    self_v2 = tmp_path / "self_v2"
+    self_v2.write_text("0::/job2\n")
+    assert cgroup_memory_room(str(self_v2), str(root)) is None
+    (v2 / "memory.max").write_text(f"{4 << 30}\n")
+    (v2 / "memory.current").write_text(f"{5 << 30}\n")  # over its limit (reclaim pending): no room
+    assert cgroup_memory_room(str(self_v2), str(root)) == 0
+    assert page_cache_room(str(tmp_path / "absent"), str(tmp_path / "absent"), str(root)) is None
+
+
+@pytest.mark.parametrize("choice,room,direct", [
+    ("on", None, True), ("off", 0, False),
+    ("auto", 10 << 30, True),  # 13 GiB of experts, 10 GiB of room less 8 GiB of slots
+    ("auto", 30 << 30, False),  # the page cache holds them beside the slots
+    ("auto", 21 << 30, False),  # just: 13 <= 21 - 8
+    ("auto", None, False),  # room unknown: buffered
+])
+def test_expert_direct_io_auto_when_the_experts_do_not_fit_in_the_page_cache(choice, room, direct) -> None:
+    from moestream.engine.builder import use_direct_io
+
+    assert use_direct_io(choice, 13 << 30, 8 << 30, room) is direct

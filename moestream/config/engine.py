@@ -203,9 +203,16 @@ class EngineConfig:
                                             "the fewest misses on real routing traces), lru, lfu or activation",
                                 group=_PAGING)
     expert_prefetch: str = option("auto", "prefetch predicted experts: gate = next layer's router on this layer's "
-                                          "input, history = co-activation statistics, auto = gate on CUDA and none "
-                                          "on CPU (where a prefetch is only page-cache read-ahead)",
+                                          "input, history = co-activation statistics, auto = gate on CUDA and on "
+                                          "CPU with --expert-direct-io on, else none (a CPU prefetch is then only "
+                                          "page-cache read-ahead)",
                                   group=_PAGING, choices=("auto", "none", "gate", "history"))
+    expert_direct_io: str = option("auto", "read expert misses from disk with O_DIRECT, past the kernel's page "
+                                           "cache: on, off, or auto = on when the checkpoint's routed experts do not "
+                                           "fit in the memory the page cache can use (MemAvailable, capped by the "
+                                           "process's memory cgroup) beside the expert budget, and no prefetch "
+                                           "reads ahead into the page cache",
+                                   group=_PAGING, choices=("auto", "on", "off"))
     expert_pin_profile: str | None = option(None, 'JSON file {"layer": [expert ids]} of hot experts kept resident',
                                             group=_PAGING, metavar="FILE")
     enable_elastic_memory: bool = option(False, "share one pool of expert-budget + KV-cache bytes between expert "
@@ -272,12 +279,13 @@ class EngineConfig:
                                                 "before their pixels are decoded", group=_MM, parse=int,
                                    metavar="PIXELS", default_help="67108864, 8192 x 8192")
 
-    @property
-    def resolved_expert_prefetch(self) -> str:
-        """`expert_prefetch` with "auto" resolved for the device."""
+    def resolve_expert_prefetch(self, direct_io: bool) -> str:
+        """`expert_prefetch` with "auto" resolved: gate on CUDA, and on CPU when misses are read
+        with O_DIRECT (`direct_io`: a predicted expert is read into a slot while the step
+        computes); none on CPU otherwise."""
         if self.expert_prefetch != "auto":
             return self.expert_prefetch
-        return "gate" if self.device.startswith("cuda") else "none"
+        return "gate" if self.device.startswith("cuda") or direct_io else "none"
 
     def __post_init__(self) -> None:
         import torch  # here, so that building the command line's parser does not import torch
@@ -307,6 +315,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend '{self.attention_backend}'; use auto, torch_sdpa or cpu_paged")
         if self.expert_prefetch not in ("auto", "none", "gate", "history"):
             raise ValueError(f"unknown expert prefetch mode '{self.expert_prefetch}'; use auto, none, gate or history")
+        if self.expert_direct_io not in ("auto", "on", "off"):
+            raise ValueError(f"unknown expert_direct_io '{self.expert_direct_io}'; use auto, on or off")
         if self.expert_mode not in EXPERT_MODES:
             raise ValueError(f"unknown expert_mode '{self.expert_mode}'; use one of {', '.join(EXPERT_MODES)}")
         if not (is_number(self.resident_fold_threshold) and 0.0 < self.resident_fold_threshold <= 1.0):

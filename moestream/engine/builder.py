@@ -33,6 +33,7 @@ from moestream.experts.expert_mode import ExpertMode
 from moestream.experts.fold_projectors import FoldProjectors
 from moestream.experts.resident_fold import ResidentFold
 from moestream.experts.store import PagedExpertStore, load_pin_profile
+from moestream.host_memory import page_cache_room
 from moestream.experts.trace import RoutingRecorder
 from moestream.quantization.registry import make_quant_method
 from moestream.reasoning import get_reasoning_parser
@@ -191,15 +192,22 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if plan.resident:
         store = ResidentExpertStore(recorder)
     else:
+        locations = packed[1] if packed else expert_locations(mcfg, reader)
+        direct_io = use_direct_io(config.expert_direct_io,
+                                  sum(loc.nbytes for locs in locations.values() for loc in locs if loc is not None),
+                                  plan.num_slots * plan.expert_bytes, page_cache_room())
+        # past the page cache (O_DIRECT), a predicted expert can only be read into a slot
+        prefetch_target = "slots" if device.type == "cuda" or direct_io else "page_cache"
         store = PagedExpertStore(
-            packed[1] if packed else expert_locations(mcfg, reader), mcfg.num_layers, moe_layers, mcfg.num_experts,
+            locations, mcfg.num_layers, moe_layers, mcfg.num_experts,
             mcfg.moe_intermediate_size, mcfg.hidden_size, dtype, device, plan.num_slots,
-            plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolved_expert_prefetch,
-            "slots" if device.type == "cuda" else "page_cache", mcfg.num_experts_per_tok, recorder,
+            plan.host_cache_experts, make_policy(config.expert_policy), pinned, config.resolve_expert_prefetch(direct_io),
+            prefetch_target, mcfg.num_experts_per_tok, recorder,
             compute_in_place=device.type == "cpu",
             slot_views=elastic.expert_views() if elastic is not None else None,
             layout=packed[0] if packed else None,
             gated=mcfg.expert_activation.gated,
+            direct_io=direct_io,
         )
     paged_attention = use_cpu_kernel(config.attention_backend, "attention_backend", "cpu_paged", device, dtype,
                                      config.batch_invariant)
@@ -279,8 +287,9 @@ def build_engine(config: EngineConfig) -> EngineParts:
     eos_token_ids = frozenset(eos)
     speculator = Speculator(sc, runner, coordinator, scheduler, max_model_len) if sc is not None else None
 
-    _log_sizes(config, mcfg, model, plan, kv_cache, block_bytes, dtype, device, max_model_len, elastic, state_pool,
-               checkpoints, packed is not None)
+    _log_sizes(config, mcfg, model, plan, kv_cache, block_bytes, dtype, max_model_len, elastic, state_pool,
+               checkpoints, packed is not None, getattr(store, "prefetch_target", "slots"),
+               getattr(store, "prefetch_mode", "none"))
     return EngineParts(
         model_config=mcfg, tokenizer=tokenizer, device=device, dtype=dtype, default_sampling_fields=defaults,
         max_model_len=max_model_len, mm_processor=mm_processor, input_processor=input_processor, expert_plan=plan,
@@ -338,6 +347,22 @@ def make_grammar_backend(config: EngineConfig, tokenizer: Any, vocab_size: int) 
     if config.reasoning_parser is not None:
         backend = ReasoningGatedBackend(backend, tokenizer, get_reasoning_parser(config.reasoning_parser))
     return backend
+
+
+def use_direct_io(choice: str, on_disk_bytes: int, budget_bytes: int, room: int | None) -> bool:
+    """Resolve `expert_direct_io`: whether disk misses are read with O_DIRECT. "on" / "off" as
+    given; "auto": on when the routed experts' bytes on disk (`on_disk_bytes`) exceed the memory
+    the page cache could hold beside the expert slots (`room`, from `page_cache_room()`, less
+    `budget_bytes`; None: unknown, so off), so that a buffered read would only pass through a
+    cache that thrashes. Logs the choice."""
+    if choice != "auto":
+        return choice == "on"
+    on_disk = on_disk_bytes
+    direct = room is not None and on_disk > room - budget_bytes
+    logger.info("expert misses read %s: routed experts %.1f GiB on disk, page cache room %s beside %.1f GiB of "
+                "slots (expert_direct_io auto)", "with O_DIRECT" if direct else "through the page cache",
+                on_disk / 2**30, "unknown" if room is None else f"{room / 2**30:.1f} GiB", budget_bytes / 2**30)
+    return direct
 
 
 def use_cpu_kernel(choice: str, flag: str, kernel: str, device: torch.device, dtype: torch.dtype,
@@ -427,9 +452,9 @@ def _log_kv_bytes(mcfg: ModelConfig, num_kv_layers: int, per_token: int, dtype: 
 
 
 def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, plan: ExpertPlan,
-               kv_cache: KVCacheManager, block_bytes: int, dtype: torch.dtype, device: torch.device,
+               kv_cache: KVCacheManager, block_bytes: int, dtype: torch.dtype,
                max_model_len: int, elastic: ElasticMemory | None, pool: StatePool | None,
-               checkpoints: StateCheckpointPool | None, packed: bool) -> None:
+               checkpoints: StateCheckpointPool | None, packed: bool, prefetch_target: str, prefetch: str) -> None:
     """Log every start-up figure: dense and expert bytes, expert slots, KV blocks, elastic
     pages, state slots and checkpoints."""
     bs = config.block_size
@@ -441,8 +466,8 @@ def _log_sizes(config: EngineConfig, mcfg: ModelConfig, model: torch.nn.Module, 
         "all resident" if plan.resident else (
             f"{plan.num_slots} device slots of {plan.expert_bytes} bytes ({plan.num_slots * plan.expert_bytes / 2**20:.1f} "
             f"MiB), host cache {plan.host_cache_experts} experts, policy {config.expert_policy}, "
-            f"prefetch {config.resolved_expert_prefetch}"
-            f"{' into slots' if device.type == 'cuda' else ' as page-cache read-ahead'}"),
+            f"prefetch {prefetch}"
+            f"{' into slots' if prefetch_target == 'slots' else ' as page-cache read-ahead'}"),
         kv_cache.num_blocks, bs, block_bytes, kv_cache.num_blocks * block_bytes / 2**20, max_model_len,
     )
     if elastic is not None:

@@ -78,6 +78,9 @@ class PagedExpertStore:
             expert's packed bytes (`layout.nbytes`, the `expert_bytes`), which the executor
             dequantizes; None: dense experts in `dtype`.
         gated: False for ungated experts (Nemotron-H): gate_up is the up projection [I, H].
+        read_workers: threads reading a call's disk misses at once (1: the caller reads them).
+        direct_io: the read workers read with O_DIRECT, past the page cache
+            (`DiskTier.direct_io`; `--expert-direct-io`).
 
     Raises:
         ValueError: fewer slots than top_k + pinned, or an unknown prefetch mode or target.
@@ -106,6 +109,7 @@ class PagedExpertStore:
         layout: PackedLayout | None = None,
         gated: bool = True,
         read_workers: int = 4,
+        direct_io: bool = False,
     ) -> None:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown expert prefetch mode '{prefetch}'; use one of {', '.join(PREFETCH_MODES)}")
@@ -136,11 +140,13 @@ class PagedExpertStore:
         self.expert_bytes = layout.nbytes if layout is not None else (
             (3 if gated else 2) * inter * hidden * torch.empty(0, dtype=dtype).element_size())
         self._disk = DiskTier(locations)
-        self._prefetch_disk = DiskTier(locations)
+        self._prefetch_disk = DiskTier(locations, direct_io=direct_io and prefetch_target == "slots")
         # a call's disk misses are read concurrently (queue depth > 1), each worker with its own
         # files; with a host cache, misses go through it one at a time
-        self._read_disks = [DiskTier(locations, random_access=True) for _ in range(read_workers)] if (
+        self._read_disks = [DiskTier(locations, random_access=True, direct_io=direct_io)
+                            for _ in range(read_workers)] if (
             read_workers > 1 and host_cache_experts == 0) else []
+        self.direct_io = any(d.direct_io for d in self._read_disks)
         self._read_pool = ThreadPoolExecutor(len(self._read_disks), thread_name_prefix="expert-read") if (
             self._read_disks) else None
         self._host = HostCache(host_cache_experts, inter, hidden, dtype, pin=device.type == "cuda", layout=layout,
@@ -252,8 +258,9 @@ class PagedExpertStore:
     def _read_concurrently(self, reads: list[tuple[int, ExpertKey]]) -> None:
         """Read each (slot, key) of `reads` from disk into its slot, split over the read
         workers (caller holds the lock; the keys are already in `_slot_of`). The bytes of
-        experts that read straight into their slots are cut into `READ_CHUNK_BYTES` ranges and
-        dealt to the workers in contiguous runs of equal size, so that one miss alone keeps
+        experts that read straight into their slots are cut into ranges at file offsets that are
+        multiples of `READ_CHUNK_BYTES` (so that direct reads of neighbouring ranges share no
+        block) and dealt to the workers in contiguous runs of equal size, so that one miss alone keeps
         every worker reading; others are read whole, one expert per job. On a read error every
         key of `reads` is dropped and its slot freed before the error is raised."""
         n = len(self._read_disks)
@@ -264,8 +271,9 @@ class PagedExpertStore:
             if pieces is None:
                 whole.append((slot, key))
             else:
-                ranges += [(path, off + i, view[i:i + READ_CHUNK_BYTES]) for path, off, view in pieces
-                           for i in range(0, len(view), READ_CHUNK_BYTES)]
+                for path, off, view in pieces:
+                    cuts = [0, *range(-off % READ_CHUNK_BYTES or READ_CHUNK_BYTES, len(view), READ_CHUNK_BYTES), len(view)]
+                    ranges += [(path, off + a, view[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
         total = sum(len(v) for _, _, v in ranges)
         runs: list[list[tuple[str, int, memoryview]]] = [[] for _ in range(n)]
         done = 0
@@ -448,14 +456,16 @@ class PagedExpertStore:
             self._queue.cond.notify_all()
 
     def stats(self) -> dict:
-        """Metrics as a flat dict (see ExpertStats.as_dict), plus the pool's sizes: every slot
+        """Metrics as a flat dict (see ExpertStats.as_dict), plus the pool's sizes (every slot
         is free or holds a resident expert (num_slots = free_slots + resident_experts between
-        steps, with no prefetch in flight: loading_experts 0)."""
+        steps, with no prefetch in flight: loading_experts 0), the policy, the prefetch mode and
+        whether the read workers read with O_DIRECT (`direct_io`)."""
         with self._queue.lock:
             d = self.metrics.as_dict()
             d.update(num_slots=self.num_slots, free_slots=len(self._free), loading_experts=len(self._loading),
                      expert_bytes=self.expert_bytes, resident_experts=len(self._slot_of),
-                     host_cache_experts=len(self._host), policy=self.policy.name, prefetch=self.prefetch_mode)
+                     host_cache_experts=len(self._host), policy=self.policy.name, prefetch=self.prefetch_mode,
+                     direct_io=self.direct_io)
             return d
 
     def resident_experts(self) -> set[ExpertKey]:

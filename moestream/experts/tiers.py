@@ -8,8 +8,11 @@ header length N, a JSON header mapping tensor names to dtype, shape and data_off
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import json
+import mmap
 import os
 import struct
 from collections import OrderedDict
@@ -27,6 +30,12 @@ _ST_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
 }
+
+DIRECT_IO_ALIGN = 4096
+"""O_DIRECT's alignment of file offsets, lengths and buffers (bytes): the logical block size
+of 4Kn disks, a multiple of 512-byte sectors'."""
+DIRECT_IO_BOUNCE_BYTES = 4 << 20
+"""A direct-I/O reader's bounce buffer (bytes): the most one O_DIRECT read asks for."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +103,21 @@ class DiskTier:
     into it when it is in CPU memory), so a miss reads the compact bytes only.
     Not thread-safe: give each reading thread its own DiskTier. `random_access`: the files are
     opened with `POSIX_FADV_RANDOM` (no kernel read-ahead past the bytes asked for), for
-    readers that split experts into ranges.
+    readers that split experts into ranges. `direct_io`: `read_range` reads with `O_DIRECT`,
+    past the page cache (the disk DMAs into an aligned bounce buffer, copied once into the
+    target), for checkpoints the page cache cannot hold anyway: a buffered read costs the CPU
+    a copy out of the cache plus the cache's own bookkeeping, and fills memory that the cache
+    then has to evict. A file (or filesystem) that refuses `O_DIRECT` (EINVAL) is read buffered.
     """
 
-    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, ...]], random_access: bool = False) -> None:
+    def __init__(self, locations: dict[ExpertKey, tuple[TensorLocation, ...]], random_access: bool = False,
+                 direct_io: bool = False) -> None:
         self.locations = locations
         self.random_access = random_access
+        self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int | None] = {}  # path -> O_DIRECT fd, None once refused
+        self._bounce: mmap.mmap | None = None
         self._staging = bytearray()
 
     def _fd(self, path: str) -> int:
@@ -198,14 +215,64 @@ class DiskTier:
         return [(loc.path, loc.offset, view) for loc, view in zip(locs, views)]
 
     def read_range(self, path: str, offset: int, target: memoryview) -> int:
-        """Read len(target) bytes of `path` at `offset` into `target`. Returns bytes read.
+        """Read len(target) bytes of `path` at `offset` into `target` (with `direct_io`, past the
+        page cache). Returns bytes read.
 
         Raises:
             ValueError: the file ends before the range does."""
+        if self.direct_io:
+            fd = self._direct_fd(path)
+            if fd is not None:
+                try:
+                    return self._read_range_direct(fd, path, offset, target)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._refuse_direct(path)  # alignment this file's filesystem does not take
         got = os.preadv(self._fd(path), [target], offset)
         if got != len(target):
             raise ValueError(f"short read of '{path}' at offset {offset}: {got} of {len(target)} bytes")
         return got
+
+    def _direct_fd(self, path: str) -> int | None:
+        """`path` opened with O_DIRECT, or None where its filesystem refuses it."""
+        if path not in self._direct_fds:
+            try:
+                self._direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._direct_fds[path] = None
+        return self._direct_fds[path]
+
+    def _refuse_direct(self, path: str) -> None:
+        fd = self._direct_fds.get(path)
+        if fd is not None:
+            os.close(fd)
+        self._direct_fds[path] = None
+
+    def _read_range_direct(self, fd: int, path: str, offset: int, target: memoryview) -> int:
+        """`read_range` through O_DIRECT: aligned reads of `DIRECT_IO_ALIGN`-byte blocks covering
+        the range, at most `DIRECT_IO_BOUNCE_BYTES` at a time, into a page-aligned bounce buffer,
+        each copied into `target` (ctypes.memmove: the GIL is released while it copies)."""
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, DIRECT_IO_BOUNCE_BYTES)
+        bounce = memoryview(self._bounce)
+        bounce_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce))
+        n = len(target)
+        dst = (ctypes.c_char * n).from_buffer(target) if n else None
+        done = 0
+        while done < n:
+            start = offset + done
+            lead = start % DIRECT_IO_ALIGN
+            want = min(n - done, DIRECT_IO_BOUNCE_BYTES - lead)
+            span = -(-(lead + want) // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
+            got = os.preadv(fd, [bounce[:span]], start - lead)
+            if got - lead < want:
+                raise ValueError(f"short read of '{path}' at offset {start}: the file ends before byte {start + want}")
+            ctypes.memmove(ctypes.addressof(dst) + done, bounce_addr + lead, want)
+            done += want
+        return n
 
     def _read_matrix(self, loc: TensorLocation) -> torch.Tensor:
         """`loc` as an [out, in] matrix (transposed as it is read when stored x @ W)."""
@@ -229,9 +296,11 @@ class DiskTier:
         return total
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for fd in [*self._fds.values(), *self._direct_fds.values()]:
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
 
     def __del__(self) -> None:
         self.close()

@@ -361,10 +361,19 @@ class PagedExpertExecutor:
         return out
 
     def _prefetch_next_layer(self, x: torch.Tensor) -> None:
-        """Gate lookahead: the next MoE layer's router applied to this layer's input."""
+        """Gate lookahead: the next MoE layer's router applied to this layer's input x [T, H]. The
+        predicted experts are ranked by their summed choice score over the tokens that pick them,
+        and the first top_k are prefetched, best first: one token's worth of reads per layer, so
+        that at larger batches the prefetch does not fill the disk with unlikely experts."""
         next_layer, router = self.lookahead
-        predicted = router.select(router.choice_scores(router.scores(x)))  # [T, k]
-        self.store.prefetch(next_layer, torch.unique(predicted).tolist())
+        choice = router.choice_scores(router.scores(x))  # [T, E] float32
+        predicted = router.select(choice)  # [T, k]
+        mass = torch.zeros(choice.shape[1], dtype=torch.float32).index_add_(
+            0, predicted.flatten(), choice.gather(1, predicted).flatten().float())  # [E]
+        picked = torch.bincount(predicted.flatten(), minlength=choice.shape[1]) > 0  # [E] bool
+        mass = mass.masked_fill(~picked, float("-inf"))  # noaux_tc's choice scores may be negative
+        ranked = torch.argsort(mass, descending=True, stable=True)[: min(router.top_k, int(picked.sum()))]
+        self.store.prefetch(next_layer, ranked.tolist())
 
 
 def _loop(x: torch.Tensor, token_of: torch.Tensor, pair_weight: torch.Tensor, counts: list[int],
