@@ -375,3 +375,55 @@ def test_direct_io_reads_equal_the_file_bytes(tmp_path, monkeypatch) -> None:
     refused.read_range(path, 17, memoryview(out))
     assert bytes(out) == data[17:3017]
     refused.close()
+
+
+class _GatedDisk:
+    """A read worker's disk tier whose reads wait until `open` is set (a slow disk)."""
+
+    def __init__(self, inner: DiskTier, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+        self.direct_io = inner.direct_io
+
+    def read_range(self, path, offset, target) -> int:
+        assert self.gate.wait(10), "the read was never let through"
+        return self.inner.read_range(path, offset, target)
+
+    def read(self, key, dst) -> int:
+        assert self.gate.wait(10), "the read was never let through"
+        return self.inner.read(key, dst)
+
+
+def test_started_reads_run_while_the_caller_computes(qwen_cfg, locations, tensors) -> None:
+    """`start` returns while its misses are still being read (the disk is held shut until after
+    it returns), and the matching `ensure` waits for them: the same weights, victims, counts and
+    bytes as `ensure` alone. A started call that is never ensured is finished by the next call;
+    a started call whose read fails gives its slots back when ensured."""
+    calls = [(0, [0, 1, 2]), (2, [3, 4, 5]), (0, [1, 6, 7]), (2, [0, 4, 7])]
+    plain, started = (make_store(qwen_cfg, locations, slots=5, policy="next_use", read_workers=2) for _ in range(2))
+    gate = threading.Event()
+    started._read_disks = [_GatedDisk(d, gate) for d in started._read_disks]
+    for i, (layer, ids) in enumerate(calls):
+        want = plain.ensure(layer, ids)
+        started.start(layer, ids)
+        if i == 0:
+            assert started._loading == {(0, 0), (0, 1), (0, 2)}  # in flight when start returned
+            gate.set()
+        got = started.ensure(layer, ids)
+        assert not started._loading
+        for e, w, g in zip(ids, want, got):
+            assert torch.equal(g.down, tensors[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"])
+            assert torch.equal(g.gate_up, w.gate_up)
+    keys = ("hits", "misses", "evictions", "bytes_read_per_tier")
+    assert [plain.stats()[k] for k in keys] == [started.stats()[k] for k in keys]
+    assert started.resident_experts() == plain.resident_experts()
+    started.start(0, [4, 5])  # never ensured
+    started.ensure(2, [1])
+    assert {(0, 4), (0, 5)} <= started.resident_experts() and not started._loading
+    failing = _FailingDisk()
+    started._read_disks = [failing, failing]
+    started.start(2, [2, 5, 6])
+    with pytest.raises(OSError, match="injected read error"):
+        started.ensure(2, [2, 5, 6])
+    s = started.stats()
+    assert s["free_slots"] + s["resident_experts"] == 5 and not started._loading
+    assert not {(2, 2), (2, 6)} & started.resident_experts()

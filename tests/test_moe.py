@@ -37,6 +37,9 @@ class RecordingStore:
     def max_experts_per_call(self) -> int:
         return self.slots
 
+    def start(self, layer, expert_ids) -> None:
+        pass
+
     def on_route(self, layer, topk_ids, topk_weights) -> None:
         self.routed.append(topk_ids.clone())
 

@@ -93,6 +93,8 @@ class ExpertStore(Protocol):
 
     ensure(layer, expert_ids) -> one ExpertWeights (PackedExpert for a quantized checkpoint) per id, in order, all on the device and
         valid until the next `ensure` call.
+    start(layer, expert_ids): begin that `ensure` call early (a paged store starts its disk
+        reads and returns); the matching `ensure` then waits for them.
     max_experts_per_call() -> how many ids one `ensure` may ask for.
     on_route(layer, topk_ids [T, k] int64, topk_weights [T, k] float32): the router's choice.
     prefetch(layer, expert_ids): a hint that these experts will be needed soon.
@@ -106,6 +108,8 @@ class ExpertStore(Protocol):
     lookahead: bool
 
     def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights | PackedExpert]: ...
+
+    def start(self, layer: int, expert_ids: Sequence[int]) -> None: ...
 
     def max_experts_per_call(self) -> int: ...
 

@@ -64,6 +64,9 @@ class ResidentExpertStore:
         gu, dn = self._gate_up[layer], self._down[layer]
         return {e: ExpertWeights(gu[e], dn[e]) for e in range(gu.shape[0])}
 
+    def start(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Nothing to load: every expert is resident."""
+
     def max_experts_per_call(self) -> int:
         return 1 << 30
 

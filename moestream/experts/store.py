@@ -16,7 +16,8 @@ import logging
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,18 @@ logger = logging.getLogger(__name__)
 PREFETCH_MODES = ("none", "gate", "history")
 READ_CHUNK_BYTES = 1 << 20  # a disk miss is read in ranges of this many bytes, dealt to the read workers
 PREFETCH_TARGETS = ("slots", "page_cache")
+
+
+@dataclass
+class _Started:
+    """A `start`ed ensure call: its layer and ids, the weights it returns, its disk reads
+    (slot, key) and their futures."""
+
+    layer: int
+    ids: tuple[int, ...]
+    out: list[ExpertWeights | PackedExpert]
+    reads: list[tuple[int, ExpertKey]]
+    futures: list[Future]
 
 
 class PagedExpertStore:
@@ -155,6 +168,7 @@ class PagedExpertStore:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._loading: set[ExpertKey] = set()
         self._in_use: frozenset[ExpertKey] = frozenset()
+        self._started: _Started | None = None  # a start()ed ensure whose reads may be in flight
         self._unused_prefetched: dict[ExpertKey, int] = {}  # prefetched, not used yet -> bytes read
         self._queue = PrefetchQueue()
         self.prefetch_mode = prefetch
@@ -199,14 +213,17 @@ class PagedExpertStore:
         with self._queue.lock:
             self.policy.on_hint([(layer, int(e)) for e in expert_ids])
 
-    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights | PackedExpert]:
-        """Make `expert_ids` of `layer` resident and return their weights, in order: slot views,
-        or host-cache buffers for misses computed in place (`compute_in_place`), all valid
-        until the next `ensure`.
+    def start(self, layer: int, expert_ids: Sequence[int]) -> None:
+        """Begin `ensure(layer, expert_ids)`: count the accesses, claim the misses' slots and
+        start reading them on the read workers, then return while the reads are in flight, so
+        that the caller computes meanwhile (SparseMoE: the shared experts). The matching
+        `ensure` call waits for them; any other store call first finishes a started one. Same
+        victims, counts and bytes as `ensure` alone.
 
         Raises:
             ValueError: more ids than `max_experts_per_call()`.
         """
+        self._finish_started()
         if len(expert_ids) > self.max_experts_per_call():
             raise ValueError(f"ensure() got {len(expert_ids)} experts; at most {self.max_experts_per_call()} fit")
         keys = [(layer, e) for e in expert_ids]
@@ -241,28 +258,49 @@ class PagedExpertStore:
                     continue
                 start = time.perf_counter()
                 slot = self._claim_slot_waiting(layer)
-                if self._read_pool is not None:  # reserved now (in use, so never a victim), read below
+                if self._read_pool is not None:  # reserved now (in use and loading: never a victim), read below
                     self._slot_of[key] = slot
+                    self._loading.add(key)
                     self.policy.on_insert(key)
                     reads.append((slot, key))
                 else:
                     self._load_into(slot, key, keep=in_place)
                 self.metrics.stall_seconds += time.perf_counter() - start
                 out.append(self._views[slot])
-            if reads:
-                start = time.perf_counter()
-                self._read_concurrently(reads)
-                self.metrics.stall_seconds += time.perf_counter() - start
-        return out
+            futures = self._submit_reads(reads) if reads else []
+        self._started = _Started(layer, tuple(expert_ids), out, reads, futures)
 
-    def _read_concurrently(self, reads: list[tuple[int, ExpertKey]]) -> None:
-        """Read each (slot, key) of `reads` from disk into its slot, split over the read
-        workers (caller holds the lock; the keys are already in `_slot_of`). The bytes of
+    def ensure(self, layer: int, expert_ids: Sequence[int]) -> list[ExpertWeights | PackedExpert]:
+        """Make `expert_ids` of `layer` resident and return their weights, in order: slot views,
+        or host-cache buffers for misses computed in place (`compute_in_place`), all valid
+        until the next `ensure`. After `start(layer, expert_ids)`, waits for its reads.
+
+        Raises:
+            ValueError: more ids than `max_experts_per_call()`.
+            OSError, ValueError: a disk read failed (its slots are given back first).
+        """
+        started = self._started
+        if started is None or started.layer != layer or started.ids != tuple(expert_ids):
+            self.start(layer, expert_ids)
+            started = self._started
+        self._started = None
+        self._wait_reads(started)
+        return started.out
+
+    def _finish_started(self) -> None:
+        """Wait for a `start`ed call that was never ensured (its slots then hold their experts)."""
+        started, self._started = self._started, None
+        if started is not None:
+            self._wait_reads(started)
+
+    def _submit_reads(self, reads: list[tuple[int, ExpertKey]]) -> list[Future]:
+        """Start reading each (slot, key) of `reads` from disk into its slot, split over the read
+        workers (caller holds the lock; the keys are in `_slot_of` and `_loading`); one future
+        per worker job, each returning its bytes. The bytes of
         experts that read straight into their slots are cut into ranges at file offsets that are
         multiples of `READ_CHUNK_BYTES` (so that direct reads of neighbouring ranges share no
         block) and dealt to the workers in contiguous runs of equal size, so that one miss alone keeps
-        every worker reading; others are read whole, one expert per job. On a read error every
-        key of `reads` is dropped and its slot freed before the error is raised."""
+        every worker reading; others are read whole, one expert per job."""
         n = len(self._read_disks)
         ranges: list[tuple[str, int, memoryview]] = []
         whole: list[tuple[int, ExpertKey]] = []
@@ -285,19 +323,32 @@ class PagedExpertStore:
             return (sum(disk.read_range(path, off, view) for path, off, view in ranges)
                     + sum(disk.read(key, self._views[slot]) for slot, key in part))
 
-        futures = [self._read_pool.submit(run, self._read_disks[i], runs[i], whole[i::n])
-                   for i in range(n) if runs[i] or whole[i::n]]  # one job per worker and its DiskTier
-        errors = []
-        for f in futures:
+        return [self._read_pool.submit(run, self._read_disks[i], runs[i], whole[i::n])
+                for i in range(n) if runs[i] or whole[i::n]]  # one job per worker and its DiskTier
+
+    def _wait_reads(self, started: _Started) -> None:
+        """Wait for a started call's reads (the wait is a stall). On a read error every key it
+        read is dropped and its slot freed before the error is raised."""
+        if not started.futures:
+            return
+        begin = time.perf_counter()
+        errors, nbytes = [], 0
+        for f in started.futures:
             try:
-                self.metrics.bytes_read_disk += f.result()
+                nbytes += f.result()
             except Exception as e:  # noqa: BLE001 - re-raised after the slots are given back
                 errors.append(e)
+        with self._queue.lock:
+            self.metrics.bytes_read_disk += nbytes
+            self.metrics.stall_seconds += time.perf_counter() - begin
+            for slot, key in started.reads:
+                self._loading.discard(key)
+                if errors:
+                    del self._slot_of[key]
+                    self.policy.on_evict(key)
+                    self._free.append(slot)
+            self._queue.cond.notify_all()
         if errors:
-            for slot, key in reads:
-                del self._slot_of[key]
-                self.policy.on_evict(key)
-                self._free.append(slot)
             raise errors[0]
 
     def available_experts(self, layer: int) -> list[int]:
@@ -314,6 +365,7 @@ class PagedExpertStore:
         """The experts of `layer` on the device now (not being loaded), by id: their slot
         views, valid until the next `ensure` or `resident_view`. Nothing is loaded and no
         hit, miss or access is counted (a `draft_experts` draft pass reads them)."""
+        self._finish_started()
         with self._queue.lock:
             keys = [k for k in self._slot_of if k[0] == layer and k not in self._loading]
             self._in_use = frozenset(keys)  # the prefetch worker leaves them in place meanwhile
@@ -327,6 +379,7 @@ class PagedExpertStore:
         as the first MoE layer of the next step needs a slot. Call it between forwards only:
         the experts of the last `ensure` are taken to be no longer in use. Returns its slot
         id, or None when the store is at its minimum (top_k + pinned slots)."""
+        self._finish_started()
         with self._queue.lock:
             if self.num_slots <= self.min_slots:
                 return None
@@ -360,7 +413,7 @@ class PagedExpertStore:
         """
         if self._free:
             return self._free.pop()
-        protected = self._in_use | self.pinned
+        protected = self._in_use | self.pinned | self._loading
         candidates = [k for k in self._slot_of if k not in protected]
         if not candidates:
             raise RuntimeError("no evictable expert slot: all are in use, pinned or loading")
@@ -477,7 +530,11 @@ class PagedExpertStore:
         return self.num_slots * self.expert_bytes
 
     def close(self) -> None:
-        """Stop the prefetch worker and close files."""
+        """Stop the prefetch worker and close files (after a started call's reads)."""
+        try:
+            self._finish_started()
+        except Exception:  # noqa: BLE001 - closing: a read error has nowhere to go
+            logger.warning("a started expert read failed while the store closed", exc_info=True)
         with self._queue.lock:
             self._queue.closed = True
             self._queue.cond.notify_all()

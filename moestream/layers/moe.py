@@ -89,20 +89,27 @@ class SparseMoE(nn.Module):
         """Top-k routing: (weights [T, k] float32, expert ids [T, k] int64)."""
         return self.gate(x)
 
-    def _shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """routed [T, H] plus the shared expert's output, if the model has one."""
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output [T, H] (x's dtype), or None when the model has none."""
         if self.shared_experts is not None:
-            return routed + self.shared_experts(x)
+            return self.shared_experts(x)
         if self.shared_expert is not None:
             gate = self.shared_expert_gate(x)  # [T, 1]
-            return routed + sigmoid(gate, invariant=self.shared_expert_gate.row_tile > 0) * self.shared_expert(x)
-        return routed
+            return sigmoid(gate, invariant=self.shared_expert_gate.row_tile > 0) * self.shared_expert(x)
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]: route, then the executor computes the chosen experts."""
+        """x [T, H] -> [T, H]: route, then the executor computes the chosen experts, plus the
+        shared experts. A paged executor starts its disk reads first (`begin`), so that they
+        run while the shared experts compute: the same sum, in the same order."""
         weights, ids = self.route(x)  # [T, k] each
+        keep = None
         if self.modifier is not None:
             weights, ids, keep = self.modifier.modify(self.layer_idx, self.num_experts, weights, ids)
-            if keep is not None:
-                return self._shared(x, self.experts.forward(x, weights, ids, keep).to(x.dtype))
-        return self._shared(x, self.experts.forward(x, weights, ids).to(x.dtype))
+        if isinstance(self.experts, PagedExpertExecutor) and (
+                self.shared_experts is not None or self.shared_expert is not None):
+            self.experts.begin(weights, ids, keep)
+        shared = self._shared(x)
+        routed = (self.experts.forward(x, weights, ids) if keep is None  # a draft pass's executor takes no keep
+                  else self.experts.forward(x, weights, ids, keep)).to(x.dtype)
+        return routed if shared is None else routed + shared
