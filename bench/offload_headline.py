@@ -133,6 +133,22 @@ def sequential_read_bandwidth(path: str, nbytes: int = 1 * GiB, chunk: int = 64 
     return best
 
 
+def cpu_speed(threads: int, seconds: float = 0.5) -> float:
+    """bf16 GEMM throughput (GFLOP/s, 1024 x 1024 x 1024 on `threads` threads) over `seconds`:
+    a probe of the CPU's state before each engine's run (virtual machines slow down when their
+    host is busy or their CPU credit runs out)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(1024, 1024).bfloat16()
+    a @ a
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+        n += 1
+    return 2 * 1024**3 * n / (time.perf_counter() - start) / 1e9
+
+
 def read_bytes() -> int:
     """Bytes this process (every thread, mmap faults included) has had read from storage."""
     with open("/proc/self/io") as f:
@@ -426,16 +442,17 @@ def markdown(results: list[dict], meta: dict) -> list[str]:
         "",
         "I/O floor: the disk bytes one decode step read (first token to last, over the steps) / the sequential "
         "read bandwidth measured just before that engine's run (disk MiB/s: 256 MiB read cold; cloud disks throttle, "
-        "so it drifts); TPOT / floor is how far the engine is from spending a step only on its reads.",
+        "so it drifts); TPOT / floor is how far the engine is from spending a step only on its reads. CPU GFLOP/s: a "
+        "bf16 GEMM probe just before the run (it drifts too on a shared host).",
         "",
         "| engine | routing | budget | cap | workload | TTFT s | TPOT s | out tok/s | MiB read / decode token | "
-        "disk MiB/s | I/O floor s | TPOT / floor | hit rate | peak GiB |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "disk MiB/s | CPU GFLOP/s | I/O floor s | TPOT / floor | hit rate | peak GiB |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if r["status"] != "ok":
             lines.append(f"| {r['engine']} | {r['routing']} | {r['budget_gib']:g} GiB | | | {r['status']}: "
-                         f"{r['error'][-200:]!s} | | | | | | | | |".replace("\n", " "))
+                         f"{r['error'][-200:]!s} | | | | | | | | | |".replace("\n", " "))
             continue
         for row in r["rows"]:
             # the floor of one decode step (a batch's step makes one token of each request)
@@ -449,7 +466,7 @@ def markdown(results: list[dict], meta: dict) -> list[str]:
                 f"| {r['engine']} | {r['routing']} | {r['budget_gib']:g} GiB | {r['cap_bytes'] / GiB:.0f} GiB | "
                 f"{row['workload']} | {row['ttft_s']:.2f} | {row['tpot_s']:.3f} | "
                 f"{format(row['output_tokens'] / row['wall_s'], '.2f') if row.get('wall_s') else '-'} | "
-                f"{per_token / 2**20:.0f} | {disk / 2**20:.0f} | "
+                f"{per_token / 2**20:.0f} | {disk / 2**20:.0f} | {r.get('cpu_gflops') or 0:.0f} | "
                 f"{floor:.3f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
                 f"{'-' if row.get('hit_rate') is None else format(row['hit_rate'], '.2f')} | "
                 f"{(r['cgroup_peak_bytes'] or 0) / GiB:.1f} |")
@@ -574,9 +591,11 @@ def main() -> int:
         if routing == "trace" and not args.trace:
             continue
         disk_bw = sequential_read_bandwidth(args.ckpt, nbytes=256 << 20, repeats=1)  # it drifts: cloud disks throttle
-        print(f"{engine} {routing} {budget:g} GiB (disk {disk_bw / 2**20:.0f} MiB/s) ...", flush=True)
+        gflops = cpu_speed(args.threads)
+        print(f"{engine} {routing} {budget:g} GiB (disk {disk_bw / 2**20:.0f} MiB/s, CPU {gflops:.0f} GFLOP/s) ...",
+              flush=True)
         r = run_engine(engine, spec, int((budget + args.overhead_gib) * GiB), args.timeout)
-        r.update(engine=engine, routing=routing, budget_gib=budget, disk_read_bytes_per_s=disk_bw)
+        r.update(engine=engine, routing=routing, budget_gib=budget, disk_read_bytes_per_s=disk_bw, cpu_gflops=gflops)
         print(json.dumps({k: v for k, v in r.items() if k != "info"})[:600], flush=True)
         results.append(r)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
