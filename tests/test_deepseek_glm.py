@@ -329,3 +329,33 @@ def test_routing_trace_of_a_deepseek_model_replays(checkpoints, tmp_path_factory
     assert len(trace) == 2 * (1 + 3 + 7 + 3 * 5)  # per MoE layer, one access per computed token
     assert trace_sim_main([path, "--cache-sizes", "0.5", "--jobs", "1"]) == 0
     assert "belady" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_absorbed_mla_weights_are_made_once_and_keep_the_bits(dtype: torch.dtype) -> None:
+    """MLA's absorbed products read kv_b_proj's weight as w_uk [H, dn, r] and w_uv [H, dv, r]:
+    kept across calls (the same tensors; the bf16 batched matmul had copied strided views of
+    them on every call) until the weight changes, and giving the products of the strided views
+    bit for bit, at DeepSeek-V2-Lite's head dims, for 1 to 64 rows (a w_uv kept plainly
+    contiguous changed the bf16 product from 62 rows on)."""
+    from moestream.config import MLAConfig
+    from moestream.layers.mla import MLAttention
+
+    h, dn, dr, dv, r = 8, 128, 64, 128, 512
+    mla = MLAttention(256, h, MLAConfig(None, r, dn, dr, dv, False, (dn + dr) ** -0.5), False, None, None)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        mla.kv_b_proj.weight.copy_(torch.randn(h * (dn + dv), r))
+    mla.to(dtype)
+    w_uk, w_uv = mla.absorbed_weights(dtype)
+    assert mla.absorbed_weights(dtype)[0] is w_uk and mla.absorbed_weights(dtype)[1] is w_uv
+    strided = mla.kv_b_proj.weight.view(h, dn + dv, r)
+    assert torch.equal(w_uk, strided[:, :dn]) and torch.equal(w_uv, strided[:, dn:])
+    for t in (1, 5, 62, 64):
+        q, o = torch.randn(t, h, dn).to(dtype), torch.randn(t, h, r).to(dtype)
+        assert torch.equal(torch.einsum("thd,hdr->thr", q, w_uk), torch.einsum("thd,hdr->thr", q, strided[:, :dn]))
+        assert torch.equal(torch.einsum("thr,hvr->thv", o, w_uv), torch.einsum("thr,hvr->thv", o, strided[:, dn:]))
+    before = w_uv.clone()
+    with torch.no_grad():
+        mla.kv_b_proj.weight.mul_(2)  # a new weight version: made again
+    assert torch.equal(mla.absorbed_weights(dtype)[1], 2 * before)

@@ -57,6 +57,26 @@ class MLAttention(nn.Module):
         self.kv_b_proj.packable = False  # its weight is read directly (the absorbed products)
         self.o_proj = Linear(num_heads * mla.v_head_dim, hidden_size, bias=bias)
         self.rotary, self.backend = rotary, backend
+        self._absorbed: tuple[tuple[int, int, torch.dtype], torch.Tensor, torch.Tensor] | None = None
+
+    def absorbed_weights(self, calc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight [H * (dn + dv), r] split into the absorbed products' operands in
+        `calc`: w_uk [H, dn, r] and w_uv [H, dv, r], kept per weight version and dtype, in the
+        layouts torch's batched matmul reads without a copy. As strided views of the weight, the
+        bf16 matmul copied both on every call (w_uk contiguous, w_uv as [H, r, dv]: 28 copies of
+        2 MiB per step of a 14-layer DeepSeek-V2-Lite shape), so in bf16 / fp16 they are kept in
+        those layouts (kv_b_proj's bytes again): the same operands, so the same bits. Float32
+        reads strided views as they are; an upcast weight is made once instead of per step."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version, calc)
+        if self._absorbed is None or self._absorbed[0] != key:
+            m = self.mla
+            wv = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank).to(calc)
+            w_uk, w_uv = wv[:, : m.qk_nope_head_dim], wv[:, m.qk_nope_head_dim :]  # [H, dn, r], [H, dv, r]
+            if calc != torch.float32:
+                w_uk, w_uv = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous().transpose(1, 2)
+            self._absorbed = (key, w_uk, w_uv)
+        return self._absorbed[1], self._absorbed[2]
 
     def forward(
         self,
@@ -77,10 +97,8 @@ class MLAttention(nn.Module):
             k_pe = k_pe[:, None, :]
         # On CPUs without native bf16 matmul the absorbed products run in float32 (bf16 values
         # are exact there), whatever the batch, so a row never depends on the others.
-        w = self.kv_b_proj.weight.view(h, dn + dv, r)
-        calc = torch.float32 if _slow_low_precision(w) else w.dtype
-        w = w.to(calc)  # a no-op unless upcast
-        w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, r], [H, dv, r]
+        calc = torch.float32 if _slow_low_precision(self.kv_b_proj.weight) else self.kv_b_proj.weight.dtype
+        w_uk, w_uv = self.absorbed_weights(calc)  # [H, dn, r], [H, dv, r]
         q_latent = torch.einsum("thd,hdr->thr", q_nope.to(calc), w_uk).to(x.dtype)  # [T, H, r]
         query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, r + dr]
         key = torch.cat((latent[:, None, :], k_pe), dim=-1)  # [T, 1, r + dr], what the cache keeps
