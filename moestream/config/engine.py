@@ -210,8 +210,7 @@ class EngineConfig:
     expert_direct_io: str = option("auto", "read expert misses from disk with O_DIRECT, past the kernel's page "
                                            "cache: on, off, or auto = on when the checkpoint's routed experts do not "
                                            "fit in the memory the page cache can use (MemAvailable, capped by the "
-                                           "process's memory cgroup) beside the expert budget, and no prefetch "
-                                           "reads ahead into the page cache",
+                                           "process's memory cgroup) beside the expert budget",
                                    group=_PAGING, choices=("auto", "on", "off"))
     expert_pin_profile: str | None = option(None, 'JSON file {"layer": [expert ids]} of hot experts kept resident',
                                             group=_PAGING, metavar="FILE")

@@ -357,11 +357,10 @@ def use_direct_io(choice: str, on_disk_bytes: int, budget_bytes: int, room: int 
     cache that thrashes. Logs the choice."""
     if choice != "auto":
         return choice == "on"
-    on_disk = on_disk_bytes
-    direct = room is not None and on_disk > room - budget_bytes
+    direct = room is not None and on_disk_bytes > room - budget_bytes
     logger.info("expert misses read %s: routed experts %.1f GiB on disk, page cache room %s beside %.1f GiB of "
                 "slots (expert_direct_io auto)", "with O_DIRECT" if direct else "through the page cache",
-                on_disk / 2**30, "unknown" if room is None else f"{room / 2**30:.1f} GiB", budget_bytes / 2**30)
+                on_disk_bytes / 2**30, "unknown" if room is None else f"{room / 2**30:.1f} GiB", budget_bytes / 2**30)
     return direct
 
 

@@ -117,7 +117,8 @@ class DiskTier:
         self.direct_io = direct_io and hasattr(os, "O_DIRECT")
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}  # path -> O_DIRECT fd, None once refused
-        self._bounce: mmap.mmap | None = None
+        self._bounce: mmap.mmap | None = None  # page-aligned, made on the first direct read
+        self._bounce_addr = 0
         self._staging = bytearray()
 
     def _fd(self, path: str) -> int:
@@ -257,8 +258,8 @@ class DiskTier:
         each copied into `target` (ctypes.memmove: the GIL is released while it copies)."""
         if self._bounce is None:
             self._bounce = mmap.mmap(-1, DIRECT_IO_BOUNCE_BYTES)
+            self._bounce_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce))
         bounce = memoryview(self._bounce)
-        bounce_addr = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce))
         n = len(target)
         dst = (ctypes.c_char * n).from_buffer(target) if n else None
         done = 0
@@ -270,7 +271,7 @@ class DiskTier:
             got = os.preadv(fd, [bounce[:span]], start - lead)
             if got - lead < want:
                 raise ValueError(f"short read of '{path}' at offset {start}: the file ends before byte {start + want}")
-            ctypes.memmove(ctypes.addressof(dst) + done, bounce_addr + lead, want)
+            ctypes.memmove(ctypes.addressof(dst) + done, self._bounce_addr + lead, want)
             done += want
         return n
 

@@ -333,24 +333,26 @@ class PagedExpertExecutor:
         self.store, self.layer_idx, self.num_experts = store, layer_idx, num_experts
         self.act, self.bias = act, bias
         self.lookahead: tuple[int, torch.nn.Module] | None = None
-        self._begun: torch.Tensor | None = None  # the topk_ids of a `begin` that `forward` continues
+        # a `begin` that `forward` continues: its topk_ids and their sort_by_expert
+        self._begun: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def begin(self, topk_weights: torch.Tensor, topk_ids: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Report the routing and start loading the first wave of experts (`store.start`): the
         disk reads run while the caller computes (SparseMoE: the shared experts). A `forward`
         with the same `topk_ids` tensor continues it; the output is the same as without."""
         self.store.on_route(self.layer_idx, topk_ids, topk_weights)
-        self._begun = topk_ids
-        counts = sort_by_expert(topk_ids, self.num_experts, keep)[2].tolist()
-        active = [e for e, c in enumerate(counts) if c]
+        self._begun = (topk_ids, sort_by_expert(topk_ids, self.num_experts, keep))
+        active = [e for e, c in enumerate(self._begun[1][2].tolist()) if c]
         self.store.start(self.layer_idx, active[: self.store.max_experts_per_call()])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        if self._begun is not topk_ids:
+        begun, self._begun = self._begun, None
+        if begun is not None and begun[0] is topk_ids:
+            order, token_of, counts = begun[1]
+        else:
             self.store.on_route(self.layer_idx, topk_ids, topk_weights)
-        self._begun = None
-        order, token_of, counts = sort_by_expert(topk_ids, self.num_experts, keep)
+            order, token_of, counts = sort_by_expert(topk_ids, self.num_experts, keep)
         pair_weight = topk_weights.flatten()[order]  # [T*k]
         counts_list = counts.tolist()
         active = [e for e, c in enumerate(counts_list) if c]
